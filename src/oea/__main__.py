@@ -1,0 +1,5 @@
+import sys
+
+from oea.cli import main
+
+sys.exit(main())

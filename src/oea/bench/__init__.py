@@ -1,0 +1,1 @@
+"""Benchmarks: routing microbenchmark, MoE-layer A/B latency, serving A/B client."""

@@ -1,0 +1,61 @@
+"""The ``oea`` command line: one parser, each subcommand a thin call into a module.
+
+Each area registers its own subcommands through ``register(commands, bench)`` in a small
+``cli`` module of its own (parsers only; heavy imports happen inside the handlers), so the
+CLI starts fast and areas stay independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Each module defines ``register(commands, bench)`` adding parsers with ``set_defaults(handler=...)``;
+# a handler takes the parsed ``argparse.Namespace`` and returns an exit code.
+COMMAND_MODULES: tuple[str, ...] = (
+    "oea.bench.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``oea`` parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="oea",
+        description="Opportunistic Expert Activation: batch-aware decode-time MoE routing (arXiv:2511.02237).",
+    )
+    from oea import __version__
+
+    parser.add_argument("--version", action="version", version=f"oea {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench_parser = commands.add_parser("bench", help="benchmarks: routing, MoE layer, serving A/B")
+    bench = bench_parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    bench_parser.set_defaults(handler=lambda _args: _usage(bench_parser))
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(commands, bench)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``oea`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        return _usage(parser)
+    try:
+        return int(handler(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"oea {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

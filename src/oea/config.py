@@ -1,0 +1,110 @@
+"""Environment configuration shared by every engine adapter.
+
+Variables (the ``SGLANG_OEA_*`` names are aliases kept from the reference SGLang deployment):
+
+==========================  ==========================  =============================================
+variable                    alias                       meaning
+==========================  ==========================  =============================================
+``OEA_K0``                  ``SGLANG_OEA_K0``           baseline experts per token; unset/empty = off
+``OEA_MIN_BATCH``           ``SGLANG_OEA_MIN_BATCH``    vanilla routing below this many rows (2)
+``OEA_MAX_EXPERTS``                                     cap per token after piggybacking (top_k)
+``OEA_GROUP_FILL``                                      ``in`` or ``cross`` (grouped routers only)
+``OEA_APPLY_TO_VERIFY``                                 ``1`` also reroutes speculative verify steps
+``OEA_LAYER_K0_FILE``                                   JSON file of per-layer k0 (see ``oea.policies``)
+``OEA_METRICS_FILE``                                    where engine plugins write active-expert counts
+==========================  ==========================  =============================================
+
+A malformed value raises ``ValueError`` naming the variable, at plugin start-up: serving with a
+silently wrong configuration is worse than not starting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from oea.routing.spec import GROUP_FILLS, OEAConfig
+
+ALIASES: dict[str, str] = {"OEA_K0": "SGLANG_OEA_K0", "OEA_MIN_BATCH": "SGLANG_OEA_MIN_BATCH"}
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """What the environment asks for. ``oea`` is None when OEA is off."""
+
+    oea: OEAConfig | None
+    apply_to_verify: bool = False
+    layer_k0_file: str | None = None
+    metrics_file: str | None = None
+    source: dict[str, str] | None = None  # variable -> raw value actually read
+
+
+def _lookup(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
+    """(variable actually used, value); the primary name wins over its alias."""
+    for var in (name, ALIASES.get(name)):
+        if var and env.get(var, "").strip() != "":
+            return var, env[var].strip()
+    return None
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int) -> tuple[str, int] | None:
+    found = _lookup(env, name)
+    if found is None:
+        return None
+    var, raw = found
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be an integer >= {minimum}, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{var} must be an integer >= {minimum}, got {value}")
+    return var, value
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be one of 0/1/true/false/yes/no/on/off, got {env[name]!r}")
+
+
+def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
+    """Parse ``OEA_*`` (and the ``SGLANG_OEA_*`` aliases). Raises ``ValueError`` naming a bad variable."""
+    env = os.environ if env is None else env
+    source: dict[str, str] = {}
+    k0 = _int(env, "OEA_K0", 1)
+    min_batch = _int(env, "OEA_MIN_BATCH", 0)
+    max_experts = _int(env, "OEA_MAX_EXPERTS", 1)
+    for found in (k0, min_batch, max_experts):
+        if found is not None:
+            source[found[0]] = env[found[0]]
+    group_fill = env.get("OEA_GROUP_FILL", "").strip() or "in"
+    if group_fill not in GROUP_FILLS:
+        raise ValueError(f"OEA_GROUP_FILL must be one of {GROUP_FILLS}, got {group_fill!r}")
+    cfg = None
+    if k0 is not None:
+        try:
+            cfg = OEAConfig(
+                k0=k0[1],
+                max_experts=None if max_experts is None else max_experts[1],
+                min_batch=2 if min_batch is None else min_batch[1],
+                group_fill=group_fill,  # type: ignore[arg-type]
+            )
+        except ValueError as err:
+            raise ValueError(f"invalid OEA environment ({', '.join(source)}): {err}") from None
+    return EnvSettings(
+        oea=cfg,
+        apply_to_verify=_flag(env, "OEA_APPLY_TO_VERIFY"),
+        layer_k0_file=env.get("OEA_LAYER_K0_FILE") or None,
+        metrics_file=env.get("OEA_METRICS_FILE") or None,
+        source=source,
+    )
+
+
+def check_k0_against(cfg: OEAConfig, top_k: int, variable: str = "OEA_K0") -> None:
+    """Raise ``ValueError`` naming ``variable`` when k0 does not fit a model's top_k."""
+    if cfg.k0 > top_k:
+        raise ValueError(f"{variable} must be in 1..{top_k} (the model's top_k), got {cfg.k0}")

@@ -1,0 +1,45 @@
+"""Policies by name, for tools that take ``--policy`` style strings (simulator, evaluation, reports).
+
+``make_policy("oea", k0=3)`` -> ``OEAConfig(k0=3)``; ``make_policy("vanilla")`` -> ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from oea.routing.spec import OEAConfig, PrunedConfig
+
+_FACTORIES: dict[str, Callable[..., object | None]] = {
+    "vanilla": lambda k0=None, **_: None,
+    "pruned": lambda k0, **options: PrunedConfig(k0, **options),
+    "oea": lambda k0, **options: OEAConfig(k0, **options),
+}
+_NEEDS_K0: set[str] = {"pruned", "oea"}
+
+
+def register_policy_name(name: str, factory: Callable[..., object | None], needs_k0: bool = True) -> None:
+    """Make ``name`` available to ``make_policy``; ``factory(k0=..., **options)`` returns a config."""
+    _FACTORIES[name] = factory
+    if needs_k0:
+        _NEEDS_K0.add(name)
+
+
+def policy_names() -> list[str]:
+    """Every policy name ``make_policy`` accepts."""
+    return sorted(_FACTORIES)
+
+
+def needs_k0(name: str) -> bool:
+    """True when the policy takes a k0 (everything but ``vanilla``)."""
+    return name in _NEEDS_K0
+
+
+def make_policy(name: str, k0: int | None = None, **options: Any) -> object | None:
+    """Build the config of policy ``name``; raises ``ValueError`` listing the valid names."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"policy must be one of {policy_names()}, got {name!r}")
+    if name in _NEEDS_K0 and k0 is None:
+        raise ValueError(f"policy {name!r} needs k0")
+    return factory(k0=k0, **options)

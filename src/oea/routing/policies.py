@@ -1,0 +1,199 @@
+"""Routing policies and the single entry point ``route``.
+
+Shape legend: M = router rows (decode tokens, padding included), N = routed experts,
+k = the model's top-k, k0 = baseline experts per token.
+
+Every policy is one function registered for one config class. It receives the family scores
+and the vanilla top-k, and returns ``(ids [M, k] int64, keep [M, k] bool)``: ``keep`` False marks
+a zero-weight filler slot, whose id must repeat one of the row's own chosen experts. ``route``
+then gathers the weights, keeps padding rows vanilla and applies ``min_batch``.
+
+Graph safety: no host synchronisation, no data-dependent shapes, no Python branch on tensor
+values; k, k0 and the config are Python values fixed at trace / capture time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from oea.routing.scores import RouterScores, mixture_weights, router_scores
+from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec
+
+PolicyFn = Callable[[RouterScores, torch.Tensor, RouterSpec, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(scores, vanilla_ids [M, k], spec, cfg, valid [M] bool) -> (ids [M, k] int64, keep [M, k] bool)."""
+
+_POLICIES: dict[type, PolicyFn] = {}
+
+
+def register_policy(config_type: type) -> Callable[[PolicyFn], PolicyFn]:
+    """Register ``fn`` as the policy for configs of ``config_type`` (one function per rule)."""
+
+    def decorator(fn: PolicyFn) -> PolicyFn:
+        _POLICIES[config_type] = fn
+        return fn
+
+    return decorator
+
+
+def config_type_names() -> list[str]:
+    """Names of the registered policy config classes."""
+    return sorted(t.__name__ for t in _POLICIES)
+
+
+def _filler(ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Replace unused slots by the row's first id (always one of its own chosen experts)."""
+    return torch.where(keep, ids, ids[:, :1])
+
+
+def expert_union(base: torch.Tensor, contributes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """S_base: [M, j] ids and [M, j] bool -> [N] bool union of the contributing ids.
+
+    Non-contributing entries (padding rows, ids beyond a token's top-p baseline) are sent to a
+    dummy column N that is sliced away: fixed shapes, no boolean indexing.
+    """
+    routed = torch.where(contributes, base, torch.full_like(base, num_experts))
+    union = torch.zeros(num_experts + 1, dtype=torch.bool, device=base.device)
+    return union.scatter(0, routed.reshape(-1), True)[:num_experts]
+
+
+@register_policy(PrunedConfig)
+def pruned_policy(
+    scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: PrunedConfig, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token keeps its own top-k0 only; the other k - k0 slots become fillers."""
+    slot = torch.arange(spec.top_k, device=vanilla_ids.device)
+    keep = (slot < cfg.k0).expand_as(vanilla_ids)
+    return _filler(vanilla_ids, keep), keep
+
+
+@register_policy(OEAConfig)
+def oea_policy(
+    scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: OEAConfig, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OEA, paper Algorithm 2 (Algorithm 1 when p = 1, max_rank = N, max_experts = k).
+
+    Phase 1: each valid token's baseline is its top-min(k0, t_p) by the selection score; the
+    union over valid tokens is S_base. Phase 2: each token fills up to ``max_experts`` slots
+    in its own ``fill`` order with experts of S_base (within its top ``max_rank``).
+    """
+    num_experts, k = spec.num_experts, spec.top_k
+    max_experts = cfg.max_experts or k
+    base = vanilla_ids[:, : cfg.k0]  # [M, k0] own top-k0, best first
+    if cfg.p < 1.0:
+        mass = scores.weight.gather(1, base) / (scores.weight.sum(dim=-1, keepdim=True) + 1e-20)
+        in_baseline = (mass.cumsum(dim=-1) - mass) < cfg.p  # [M, k0] rank j kept iff mass before it < p
+    else:
+        in_baseline = torch.ones_like(base, dtype=torch.bool)
+    union = expert_union(base, in_baseline & valid[:, None], num_experts)  # [N]
+
+    fill = scores.fill.masked_fill(~union, float("-inf"))  # [M, N]
+    if cfg.max_rank is not None and cfg.max_rank < num_experts:
+        top_ranked = scores.fill.topk(cfg.max_rank, dim=-1).indices
+        within_rank = torch.zeros_like(fill, dtype=torch.bool).scatter(1, top_ranked, True)
+        fill = fill.masked_fill(~within_rank, float("-inf"))
+    forced = torch.where(in_baseline, torch.full_like(fill[:, : cfg.k0], float("inf")), fill.gather(1, base))
+    fill = fill.scatter(1, base, forced)  # own baseline first, whatever S_base holds
+
+    values, ids = fill.topk(k, dim=-1)  # [M, k]
+    keep = values > float("-inf")  # False only where fewer candidates than slots remain
+    if max_experts < k:
+        keep = keep & (torch.arange(k, device=ids.device) < max_experts)
+    return _filler(ids, keep), keep
+
+
+def route(
+    router_logits: torch.Tensor,
+    spec: RouterSpec,
+    cfg: object | None = None,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route one MoE layer call.
+
+    Args:
+        router_logits: [M, N] raw router logits, any float dtype (non-finite values: see
+            ``oea.routing.scores``).
+        spec: the model's own router.
+        cfg: ``None`` for the model's own routing, or a policy config (``OEAConfig``,
+            ``PrunedConfig``, or any config with a registered policy).
+        valid: optional [M] bool; False marks padding rows: they never join the expert union
+            and get vanilla routing.
+
+    Returns:
+        ``ids`` [M, k] int64 and ``weights`` [M, k] float32. Filler slots repeat one of the
+        row's own experts with weight exactly 0; no id is out of range.
+    """
+    if router_logits.dim() != 2 or router_logits.shape[1] != spec.num_experts:
+        raise ValueError(
+            f"router_logits must have shape [M, num_experts={spec.num_experts}], "
+            f"got {tuple(router_logits.shape)}"
+        )
+    if not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a float tensor, got dtype={router_logits.dtype}")
+    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (router_logits.shape[0],)):
+        raise ValueError(
+            f"valid must be a bool tensor of shape [M]=[{router_logits.shape[0]}], "
+            f"got dtype={valid.dtype} shape={tuple(valid.shape)}"
+        )
+    policy = None
+    if cfg is not None:
+        policy = _POLICIES.get(type(cfg))
+        if policy is None:
+            raise ValueError(f"cfg must be None or one of {config_type_names()}, got {type(cfg).__name__}")
+        check = getattr(cfg, "check", None)
+        if check is not None:
+            check(spec)
+
+    scores = router_scores(router_logits, spec, getattr(cfg, "group_fill", "in"))
+    vanilla_ids = scores.select.topk(spec.top_k, dim=-1).indices  # [M, k], best first
+    renormalize = spec.renormalize
+    if isinstance(cfg, PrunedConfig) and cfg.renormalize is not None:
+        renormalize = cfg.renormalize
+    all_slots = torch.ones_like(vanilla_ids, dtype=torch.bool)
+
+    min_batch = getattr(cfg, "min_batch", 0)
+    if policy is None or (valid is None and router_logits.shape[0] < min_batch):
+        return vanilla_ids, mixture_weights(scores.weight, vanilla_ids, all_slots, spec.renormalize,
+                                            spec.routed_scaling_factor)
+
+    rows = torch.ones_like(vanilla_ids[:, 0], dtype=torch.bool) if valid is None else valid
+    ids, keep = policy(scores, vanilla_ids, spec, cfg, rows)
+    rerouted = rows
+    if valid is not None and min_batch > 1:
+        rerouted = rows & (rows.sum() >= min_batch)
+    ids = torch.where(rerouted[:, None], ids, vanilla_ids)
+    keep = torch.where(rerouted[:, None], keep, all_slots)
+    weights = mixture_weights(scores.weight, ids, keep, renormalize, spec.routed_scaling_factor)
+    if renormalize != spec.renormalize:  # a PrunedConfig override: vanilla rows keep the family's rule
+        vanilla_weights = mixture_weights(scores.weight, ids, keep, spec.renormalize, spec.routed_scaling_factor)
+        weights = torch.where(rerouted[:, None], weights, vanilla_weights)
+    return ids, weights
+
+
+def expert_load(
+    ids: torch.Tensor, weights: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Tokens per expert: [M, k] ids and weights -> [N] int64, counting non-zero-weight slots of valid rows."""
+    used = weights != 0
+    if valid is not None:
+        used = used & valid[:, None]
+    load = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    routed = torch.where(used, ids, torch.full_like(ids, num_experts))
+    return load.scatter_add(0, routed.reshape(-1), torch.ones_like(routed).reshape(-1))[:num_experts]
+
+
+def active_experts(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """T: distinct experts with non-zero weight over valid rows; [M, k], [M, k], [M] -> 0-dim int64.
+
+    Graph-safe (sort-based, fixed shape, no host sync): call ``int()`` on the result outside any
+    captured region.
+    """
+    used = weights != 0
+    if valid is not None:
+        used = used & valid[:, None]
+    flat = torch.where(used, ids, torch.full_like(ids, -1)).reshape(-1).sort().values
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    return (starts & (flat >= 0)).sum()

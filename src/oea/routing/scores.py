@@ -1,0 +1,95 @@
+"""Per-family router scores: what ranks experts, and what weighs them.
+
+Shape legend: M = router rows (tokens, padding included), N = routed experts.
+
+Non-finite logits (a documented, tested contract):
+    * NaN is treated as -inf: the expert ranks below every finite one and gets weight 0.
+    * +inf is clamped to the largest finite float32: the expert wins selection and, under
+      softmax, takes all the weight (shared equally with other +inf experts).
+    * A row with no finite logit gets all-zero weights (its MoE output is 0), never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oea.routing.spec import GroupFill, RouterSpec
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True)
+class RouterScores:
+    """The three score tensors every policy works from, all float32 [M, N].
+
+    Attributes:
+        select: Phase-1 ranking: softmax probabilities, or sigmoid + correction bias with
+            experts outside the token's allowed groups at -inf. Vanilla top-k is its top-k.
+        fill: Phase-2 ranking for piggybacking (``select`` itself, or the biased score without
+            the group mask for ``group_fill="cross"``).
+        weight: weight source: softmax probabilities, or the *unbiased* sigmoid.
+    """
+
+    select: torch.Tensor
+    fill: torch.Tensor
+    weight: torch.Tensor
+
+
+def sanitize_logits(router_logits: torch.Tensor) -> torch.Tensor:
+    """[M, N] any float dtype -> [M, N] float32 with NaN -> -inf and +inf -> float32 max."""
+    x = router_logits.float()
+    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    return x.clamp(max=_FLOAT32_MAX)
+
+
+def group_mask(biased: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """[M, N] biased scores -> [M, N] bool, True for experts in the token's best ``topk_group`` groups.
+
+    A group's score is the sum of its two best biased scores (DeepSeek-V3 / GLM routers).
+    """
+    m, n = biased.shape
+    group_scores = biased.view(m, n_group, n // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [M, G]
+    best_groups = group_scores.topk(topk_group, dim=-1).indices  # [M, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)  # [M, G]
+    return keep.unsqueeze(-1).expand(m, n_group, n // n_group).reshape(m, n)
+
+
+def router_scores(router_logits: torch.Tensor, spec: RouterSpec, group_fill: GroupFill = "in") -> RouterScores:
+    """Family scores of one router call: [M, N] logits -> ``RouterScores`` ([M, N] float32 each)."""
+    x = sanitize_logits(router_logits)
+    if spec.scoring == "softmax":
+        probs = torch.nan_to_num(torch.softmax(x, dim=-1), nan=0.0)
+        return RouterScores(select=probs, fill=probs, weight=probs)
+
+    unbiased = torch.sigmoid(x)
+    biased = unbiased
+    if spec.correction_bias is not None:
+        biased = unbiased + spec.correction_bias.to(device=x.device, dtype=torch.float32)
+    if not spec.grouped:
+        return RouterScores(select=biased, fill=biased, weight=unbiased)
+    assert spec.n_group is not None and spec.topk_group is not None
+    allowed = group_mask(biased, spec.n_group, spec.topk_group)
+    select = biased.masked_fill(~allowed, float("-inf"))
+    fill = select if group_fill == "in" else biased
+    return RouterScores(select=select, fill=fill, weight=unbiased)
+
+
+def mixture_weights(
+    weight_src: torch.Tensor,
+    ids: torch.Tensor,
+    keep: torch.Tensor,
+    renormalize: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """Gather the family's weights at the chosen experts: [M, N], [M, k] ids, [M, k] bool -> [M, k] fp32.
+
+    Slots with ``keep`` False are fillers and get weight exactly 0 (before and after renormalising).
+    """
+    w = weight_src.gather(1, ids) * keep.to(weight_src.dtype)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling != 1.0:
+        w = w * scaling
+    return w

@@ -1,0 +1,218 @@
+"""Router description and routing-policy configurations: frozen dataclasses validated at construction.
+
+A ``RouterSpec`` describes a model's own router (the "family"): how logits become selection scores
+and mixture weights. A policy config (``OEAConfig``, ``PrunedConfig``, ...) describes how a decode
+batch is rerouted. ``route(logits, spec, cfg)`` combines the two; ``cfg=None`` is the model's own
+(vanilla) routing.
+
+Everything here is plain Python; nothing touches tensor values, so it is free to run at trace time
+inside ``torch.compile`` or CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Scoring = Literal["softmax", "sigmoid"]
+GroupFill = Literal["in", "cross"]
+
+SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
+GROUP_FILLS: tuple[str, ...] = ("in", "cross")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        f"{name} must be an integer >= {minimum}, got {value!r}",
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class RouterSpec:
+    """A model's own router.
+
+    Attributes:
+        num_experts: N, routed experts (shared experts are not routed and not counted).
+        top_k: k, experts per token in the model's own routing.
+        scoring: ``"softmax"`` (Qwen3-MoE, OLMoE, Mixtral, GPT-OSS) or ``"sigmoid"``
+            (DeepSeek-V3, GLM-4.5/4.6/4.7, GLM-5).
+        renormalize: divide the chosen experts' weights by their sum (``norm_topk_prob``).
+        correction_bias: [N] tensor added to the sigmoid scores for *selection only*
+            (``e_score_correction_bias``); sigmoid scoring only.
+        n_group / topk_group: group-limited routing: experts are split into ``n_group`` equal
+            groups, a group's score is the sum of its top-2 biased scores, and each token keeps
+            only its best ``topk_group`` groups. ``None`` means no group limit.
+        routed_scaling_factor: multiplies the final weights (only where the engine folds the
+            factor into the top-k weights; pass 1.0 otherwise).
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax"
+    renormalize: bool = True
+    correction_bias: torch.Tensor | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require_int("num_experts", self.num_experts, 1)
+        _require_int("top_k", self.top_k, 1)
+        _require(
+            self.top_k <= self.num_experts,
+            f"top_k must be <= num_experts, got top_k={self.top_k} and num_experts={self.num_experts}",
+        )
+        _require(self.scoring in SCORINGS, f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        _require(isinstance(self.renormalize, bool), f"renormalize must be a bool, got {self.renormalize!r}")
+        _require(
+            isinstance(self.routed_scaling_factor, (int, float))
+            and self.routed_scaling_factor > 0
+            and self.routed_scaling_factor != float("inf"),
+            f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}",
+        )
+        if self.correction_bias is not None:
+            _require(
+                self.scoring == "sigmoid",
+                f"correction_bias is only used with scoring='sigmoid', got scoring={self.scoring!r}",
+            )
+            _require(
+                isinstance(self.correction_bias, torch.Tensor)
+                and tuple(self.correction_bias.shape) == (self.num_experts,),
+                f"correction_bias must be a tensor of shape [num_experts]=[{self.num_experts}], "
+                f"got {getattr(self.correction_bias, 'shape', type(self.correction_bias).__name__)}",
+            )
+        if self.n_group is None:
+            _require(
+                self.topk_group is None,
+                f"topk_group needs n_group, got n_group=None and topk_group={self.topk_group}",
+            )
+            return
+        _require_int("n_group", self.n_group, 1)
+        _require(
+            self.num_experts % self.n_group == 0,
+            f"num_experts must be divisible by n_group, got num_experts={self.num_experts} "
+            f"and n_group={self.n_group}",
+        )
+        topk_group = self.n_group if self.topk_group is None else self.topk_group
+        _require_int("topk_group", topk_group, 1)
+        _require(
+            topk_group <= self.n_group,
+            f"topk_group must be <= n_group, got topk_group={topk_group} and n_group={self.n_group}",
+        )
+        _require(
+            self.num_experts // self.n_group >= 2 or self.n_group == 1,
+            f"each group needs >= 2 experts (group score = sum of top-2), got num_experts="
+            f"{self.num_experts} and n_group={self.n_group}",
+        )
+        _require(
+            topk_group * (self.num_experts // self.n_group) >= self.top_k,
+            f"topk_group groups must hold at least top_k experts, got topk_group={topk_group}, "
+            f"{self.num_experts // self.n_group} experts per group and top_k={self.top_k}",
+        )
+
+    @property
+    def grouped(self) -> bool:
+        """True when a group limit actually removes experts (some groups are dropped)."""
+        return self.n_group is not None and self.n_group > 1 and (self.topk_group or self.n_group) < self.n_group
+
+
+@dataclass(frozen=True)
+class OEAConfig:
+    """Opportunistic Expert Activation (paper Algorithms 1 and 2).
+
+    Attributes:
+        k0: baseline experts each token keeps (1 <= k0 <= top_k).
+        max_experts: k_max, cap on experts per token after piggybacking (default: top_k;
+            k0 <= max_experts <= top_k).
+        p: cumulative router-mass threshold of general OEA; a token's baseline is
+            min(k0, smallest t whose top-t mass >= p). 1.0 = simplified OEA.
+        max_rank: deepest rank of a token's own ranking that may be piggybacked (the paper's
+            maxP; default: N, i.e. the full ranking).
+        min_batch: below this many valid rows the whole batch gets vanilla routing
+            (the reference deployment's ``SGLANG_OEA_MIN_BATCH``).
+        group_fill: grouped sigmoid families only: ``"in"`` piggybacks only from the token's
+            own allowed groups (conservative default), ``"cross"`` from any group.
+    """
+
+    k0: int
+    max_experts: int | None = None
+    p: float = 1.0
+    max_rank: int | None = None
+    min_batch: int = 2
+    group_fill: GroupFill = "in"
+
+    def __post_init__(self) -> None:
+        _require_int("k0", self.k0, 1)
+        if self.max_experts is not None:
+            _require_int("max_experts", self.max_experts, 1)
+            _require(
+                self.max_experts >= self.k0,
+                f"max_experts must be >= k0, got max_experts={self.max_experts} and k0={self.k0}",
+            )
+        _require(
+            isinstance(self.p, (int, float)) and 0.0 < self.p <= 1.0,
+            f"p must be in (0, 1], got p={self.p!r}",
+        )
+        if self.max_rank is not None:
+            _require_int("max_rank", self.max_rank, 1)
+        _require_int("min_batch", self.min_batch, 0)
+        _require(
+            self.group_fill in GROUP_FILLS,
+            f"group_fill must be one of {GROUP_FILLS}, got {self.group_fill!r}",
+        )
+
+    def check(self, spec: RouterSpec) -> None:
+        """Validate against a router: raises ``ValueError`` naming the field and both values."""
+        _require(
+            self.k0 <= spec.top_k,
+            f"k0 must be in 1..top_k, got k0={self.k0} and top_k={spec.top_k}",
+        )
+        _require(
+            self.max_experts is None or self.max_experts <= spec.top_k,
+            f"max_experts must be <= top_k, got max_experts={self.max_experts} and top_k={spec.top_k}",
+        )
+        _require(
+            self.max_rank is None or self.max_rank <= spec.num_experts,
+            f"max_rank must be <= num_experts, got max_rank={self.max_rank} "
+            f"and num_experts={spec.num_experts}",
+        )
+
+    @property
+    def is_simplified(self) -> bool:
+        """Algorithm 1 (k0 only) rather than the general Algorithm 2."""
+        return self.p == 1.0 and self.max_rank is None and self.max_experts is None
+
+
+@dataclass(frozen=True)
+class PrunedConfig:
+    """The paper's comparator: every token keeps only its own top-k0 (batch-independent).
+
+    Weights are the family's weights over the k0 experts, renormalised when the router
+    renormalises (``renormalize=None``) or as forced by ``renormalize``. Unused slots are
+    zero-weight copies of the token's first expert, as in OEA.
+    """
+
+    k0: int
+    renormalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        _require_int("k0", self.k0, 1)
+        _require(
+            self.renormalize is None or isinstance(self.renormalize, bool),
+            f"renormalize must be None or a bool, got {self.renormalize!r}",
+        )
+
+    def check(self, spec: RouterSpec) -> None:
+        """Validate against a router: raises ``ValueError`` naming the field and both values."""
+        _require(
+            self.k0 <= spec.top_k,
+            f"k0 must be in 1..top_k, got k0={self.k0} and top_k={spec.top_k}",
+        )
