@@ -177,7 +177,7 @@ def test_min_batch_keeps_small_batches_vanilla():
     ids, w = oea.route(logits, spec, oea.OEAConfig(1, min_batch=2), valid)
     v_ids, v_w = oea.route(logits, spec, None)
     assert torch.equal(ids, v_ids) and torch.equal(w, v_w)
-    ids2, w2 = oea.route(logits[:1], spec, oea.OEAConfig(1, min_batch=2))
+    ids2, _ = oea.route(logits[:1], spec, oea.OEAConfig(1, min_batch=2))
     assert torch.equal(ids2, v_ids[:1])
     valid[1] = True  # two valid rows reach min_batch: rerouted
     ids3, w3 = oea.route(logits, spec, oea.OEAConfig(1, min_batch=2), valid)
@@ -221,7 +221,7 @@ def test_grouped_phase1_uses_group_masked_biased_score():
     logits = torch.tensor([[3.0, 0.1, 0.0, -1.0, 0.2, 0.3, 0.4, 0.5]])
     ids, _ = oea.route(logits, spec, None)
     assert set(ids[0].tolist()) == {6, 7}
-    ids_oea, w_oea = oea.route(logits.repeat(3, 1), spec, oea.OEAConfig(1))
+    ids_oea, _ = oea.route(logits.repeat(3, 1), spec, oea.OEAConfig(1))
     assert all(set(r.tolist()) <= {4, 5, 6, 7} for r in ids_oea)
 
 
@@ -319,7 +319,7 @@ def test_invalid_configuration_names_the_field(build, fragment):
 
 def test_invalid_calls_name_the_field():
     spec = oea.RouterSpec(16, 4)
-    with pytest.raises(ValueError, match="k0 must be in 1..top_k, got k0=5 and top_k=4"):
+    with pytest.raises(ValueError, match=r"k0 must be in 1\.\.top_k, got k0=5 and top_k=4"):
         oea.route(torch.randn(2, 16), spec, oea.OEAConfig(5))
     with pytest.raises(ValueError, match=r"router_logits must have shape \[M, num_experts=16\], got \(2, 8\)"):
         oea.route(torch.randn(2, 8), spec)

@@ -20,5 +20,6 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--repeats", type=int, default=200, help="timed calls per variant and shape")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="time vanilla and OEA under torch.compile(fullgraph=True)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=_routing)

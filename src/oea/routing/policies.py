@@ -22,8 +22,11 @@ import torch
 from oea.routing.scores import RouterScores, mixture_weights, router_scores
 from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec
 
-PolicyFn = Callable[[RouterScores, torch.Tensor, RouterSpec, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""(scores, vanilla_ids [M, k], spec, cfg, valid [M] bool) -> (ids [M, k] int64, keep [M, k] bool)."""
+PolicyFn = Callable[
+    [RouterScores, torch.Tensor, RouterSpec, Any, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]
+]
+"""(scores, vanilla_ids [M, k], spec, cfg, valid [M] bool or None = all rows valid)
+-> (ids [M, k] int64, keep [M, k] bool)."""
 
 _POLICIES: dict[type, PolicyFn] = {}
 
@@ -48,20 +51,23 @@ def _filler(ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, ids, ids[:, :1])
 
 
-def expert_union(base: torch.Tensor, contributes: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """S_base: [M, j] ids and [M, j] bool -> [N] bool union of the contributing ids.
+def expert_union(base: torch.Tensor, contributes: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """S_base: [M, j] ids and optional [M, j] bool -> [N] bool union of the contributing ids.
 
     Non-contributing entries (padding rows, ids beyond a token's top-p baseline) are sent to a
     dummy column N that is sliced away: fixed shapes, no boolean indexing.
     """
-    routed = torch.where(contributes, base, torch.full_like(base, num_experts))
+    if contributes is None:
+        union = torch.zeros(num_experts, dtype=torch.bool, device=base.device)
+        return union.scatter(0, base.reshape(-1), True)
+    routed = torch.where(contributes, base, num_experts)
     union = torch.zeros(num_experts + 1, dtype=torch.bool, device=base.device)
     return union.scatter(0, routed.reshape(-1), True)[:num_experts]
 
 
 @register_policy(PrunedConfig)
 def pruned_policy(
-    scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: PrunedConfig, valid: torch.Tensor
+    scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: PrunedConfig, valid: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token keeps its own top-k0 only; the other k - k0 slots become fillers."""
     slot = torch.arange(spec.top_k, device=vanilla_ids.device)
@@ -71,7 +77,7 @@ def pruned_policy(
 
 @register_policy(OEAConfig)
 def oea_policy(
-    scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: OEAConfig, valid: torch.Tensor
+    scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: OEAConfig, valid: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OEA, paper Algorithm 2 (Algorithm 1 when p = 1, max_rank = N, max_experts = k).
 
@@ -82,20 +88,25 @@ def oea_policy(
     num_experts, k = spec.num_experts, spec.top_k
     max_experts = cfg.max_experts or k
     base = vanilla_ids[:, : cfg.k0]  # [M, k0] own top-k0, best first
+    in_baseline = None  # every one of the k0 (p = 1)
     if cfg.p < 1.0:
         mass = scores.weight.gather(1, base) / (scores.weight.sum(dim=-1, keepdim=True) + 1e-20)
         in_baseline = (mass.cumsum(dim=-1) - mass) < cfg.p  # [M, k0] rank j kept iff mass before it < p
-    else:
-        in_baseline = torch.ones_like(base, dtype=torch.bool)
-    union = expert_union(base, in_baseline & valid[:, None], num_experts)  # [N]
+    contributes = in_baseline
+    if valid is not None:
+        contributes = valid[:, None] if in_baseline is None else in_baseline & valid[:, None]
+        contributes = contributes.expand_as(base)
+    union = expert_union(base, contributes, num_experts)  # [N]
 
-    fill = scores.fill.masked_fill(~union, float("-inf"))  # [M, N]
+    fill = torch.where(union, scores.fill, float("-inf"))  # [M, N]
     if cfg.max_rank is not None and cfg.max_rank < num_experts:
         top_ranked = scores.fill.topk(cfg.max_rank, dim=-1).indices
         within_rank = torch.zeros_like(fill, dtype=torch.bool).scatter(1, top_ranked, True)
         fill = fill.masked_fill(~within_rank, float("-inf"))
-    forced = torch.where(in_baseline, torch.full_like(fill[:, : cfg.k0], float("inf")), fill.gather(1, base))
-    fill = fill.scatter(1, base, forced)  # own baseline first, whatever S_base holds
+    if in_baseline is None:  # own baseline first, whatever S_base holds
+        fill = fill.scatter(1, base, float("inf"))
+    else:
+        fill = fill.scatter(1, base, torch.where(in_baseline, float("inf"), fill.gather(1, base)))
 
     values, ids = fill.topk(k, dim=-1)  # [M, k]
     keep = values > float("-inf")  # False only where fewer candidates than slots remain
@@ -151,22 +162,19 @@ def route(
     renormalize = spec.renormalize
     if isinstance(cfg, PrunedConfig) and cfg.renormalize is not None:
         renormalize = cfg.renormalize
-    all_slots = torch.ones_like(vanilla_ids, dtype=torch.bool)
 
     min_batch = getattr(cfg, "min_batch", 0)
     if policy is None or (valid is None and router_logits.shape[0] < min_batch):
-        return vanilla_ids, mixture_weights(scores.weight, vanilla_ids, all_slots, spec.renormalize,
+        return vanilla_ids, mixture_weights(scores.weight, vanilla_ids, None, spec.renormalize,
                                             spec.routed_scaling_factor)
 
-    rows = torch.ones_like(vanilla_ids[:, 0], dtype=torch.bool) if valid is None else valid
-    ids, keep = policy(scores, vanilla_ids, spec, cfg, rows)
-    rerouted = rows
-    if valid is not None and min_batch > 1:
-        rerouted = rows & (rows.sum() >= min_batch)
-    ids = torch.where(rerouted[:, None], ids, vanilla_ids)
-    keep = torch.where(rerouted[:, None], keep, all_slots)
+    ids, keep = policy(scores, vanilla_ids, spec, cfg, valid)
+    if valid is not None:  # padding rows (and whole batches below min_batch) keep vanilla routing
+        rerouted = valid & (valid.sum() >= min_batch) if min_batch > 1 else valid
+        ids = torch.where(rerouted[:, None], ids, vanilla_ids)
+        keep = keep | ~rerouted[:, None]
     weights = mixture_weights(scores.weight, ids, keep, renormalize, spec.routed_scaling_factor)
-    if renormalize != spec.renormalize:  # a PrunedConfig override: vanilla rows keep the family's rule
+    if renormalize != spec.renormalize and valid is not None:  # PrunedConfig override: vanilla rows keep theirs
         vanilla_weights = mixture_weights(scores.weight, ids, keep, spec.renormalize, spec.routed_scaling_factor)
         weights = torch.where(rerouted[:, None], weights, vanilla_weights)
     return ids, weights

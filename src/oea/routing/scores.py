@@ -39,9 +39,7 @@ class RouterScores:
 
 def sanitize_logits(router_logits: torch.Tensor) -> torch.Tensor:
     """[M, N] any float dtype -> [M, N] float32 with NaN -> -inf and +inf -> float32 max."""
-    x = router_logits.float()
-    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
-    return x.clamp(max=_FLOAT32_MAX)
+    return torch.nan_to_num(router_logits.float(), nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
 
 
 def group_mask(biased: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -79,15 +77,18 @@ def router_scores(router_logits: torch.Tensor, spec: RouterSpec, group_fill: Gro
 def mixture_weights(
     weight_src: torch.Tensor,
     ids: torch.Tensor,
-    keep: torch.Tensor,
+    keep: torch.Tensor | None,
     renormalize: bool,
     scaling: float,
 ) -> torch.Tensor:
     """Gather the family's weights at the chosen experts: [M, N], [M, k] ids, [M, k] bool -> [M, k] fp32.
 
-    Slots with ``keep`` False are fillers and get weight exactly 0 (before and after renormalising).
+    Slots with ``keep`` False are fillers and get weight exactly 0 (before and after renormalising);
+    ``keep=None`` keeps every slot.
     """
-    w = weight_src.gather(1, ids) * keep.to(weight_src.dtype)
+    w = weight_src.gather(1, ids)
+    if keep is not None:
+        w = w * keep
     if renormalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling != 1.0:

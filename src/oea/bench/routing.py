@@ -1,0 +1,164 @@
+"""``oea bench routing``: CPU microbenchmark of vanilla routing, OEA and a naive OEA.
+
+The naive version reproduces the style the spec's pitfalls describe (a full per-token sort over N,
+a Python loop over slots, boolean-mask indexing and ``unique`` with host synchronisation, fallback
+to the original slot); it exists only as the yardstick of this benchmark.
+
+Variants are interleaved inside every repeat (round-robin in a shuffled order) and inputs rotate
+over a pool, so drift and caches hit every variant alike; figures are medians with the
+interquartile range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import oea
+
+Variant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def naive_oea(router_logits: torch.Tensor, top_k: int, k0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-family OEA written the slow way: [M, N] -> ids [M, k], weights [M, k]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    m, n = probs.shape
+    orders = [torch.sort(probs[i], descending=True).indices for i in range(m)]  # full per-token sort
+    in_union = torch.zeros(n, dtype=torch.bool)
+    in_union[torch.unique(torch.cat([order[:k0] for order in orders]))] = True  # host sync
+    ids = torch.empty(m, top_k, dtype=torch.long)
+    for i, order in enumerate(orders):
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[order[:k0]] = True
+        ids[i, :k0] = order[:k0]
+        for slot in range(k0, top_k):  # Python loop over slots
+            candidates = order[in_union[order] & ~chosen[order]]  # boolean-mask indexing
+            pick = candidates[0] if len(candidates) else order[slot]  # fallback: the original slot
+            ids[i, slot] = pick
+            chosen[pick] = True
+    weights = probs.gather(1, ids)
+    return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _variants(num_experts: int, top_k: int, k0: int, compiled: bool) -> dict[str, Variant]:
+    spec = oea.RouterSpec(num_experts, top_k)
+    cfg = oea.OEAConfig(k0)
+
+    def vanilla(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return oea.route(x, spec, None)
+
+    def opportunistic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return oea.route(x, spec, cfg)
+
+    if compiled:
+        vanilla = torch.compile(vanilla, fullgraph=True, dynamic=False)
+        opportunistic = torch.compile(opportunistic, fullgraph=True, dynamic=False)
+    return {"vanilla": vanilla, "oea": opportunistic, "naive": lambda x: naive_oea(x, top_k, k0)}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(
+    num_experts: int, batch_size: int, top_k: int, k0: int, repeats: int, seed: int, compiled: bool = False,
+    pool: int = 8,
+) -> dict[str, float | int]:
+    """Median and IQR (µs per call) of each variant for one shape."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(batch_size, num_experts, generator=gen) * 2 for _ in range(pool)]
+    variants = _variants(num_experts, top_k, k0, compiled)
+    for fn in variants.values():  # warm-up
+        for x in inputs:
+            fn(x)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    shuffle = random.Random(seed)
+    for r in range(repeats):
+        shuffle.shuffle(order)
+        x = inputs[r % pool]
+        for name in order:
+            start = time.perf_counter_ns()
+            variants[name](x)
+            times[name].append((time.perf_counter_ns() - start) / 1e3)
+    row: dict[str, float | int] = {"num_experts": num_experts, "batch_size": batch_size, "top_k": top_k, "k0": k0}
+    for name, samples in times.items():
+        row[f"{name}_us"] = statistics.median(samples)
+        row[f"{name}_p25_us"] = _quantile(samples, 0.25)
+        row[f"{name}_p75_us"] = _quantile(samples, 0.75)
+    row["oea_vs_vanilla"] = float(row["oea_us"]) / float(row["vanilla_us"])
+    row["naive_vs_oea"] = float(row["naive_us"]) / float(row["oea_us"])
+    return row
+
+
+def run(
+    num_experts: list[int], batch_sizes: list[int], top_k: int, k0: int, repeats: int, threads: int, seed: int,
+    compiled: bool = False,
+) -> dict:
+    """The full sweep; returns a JSON-ready dict with rows and the target check."""
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if repeats < 5:
+        raise ValueError(f"--repeats must be >= 5, got {repeats}")
+    for n in num_experts:
+        if not 1 <= k0 <= top_k <= n:
+            raise ValueError(f"need 1 <= --k0 <= --top-k <= num_experts, got k0={k0}, top_k={top_k}, N={n}")
+    torch.set_num_threads(threads)
+    rows = []
+    with torch.inference_mode():
+        for n in num_experts:
+            for b in batch_sizes:
+                rows.append(measure(n, b, top_k, k0, repeats, seed, compiled))
+    large = [r for r in rows if int(r["batch_size"]) >= 16]
+    return {
+        "benchmark": "routing",
+        "torch": torch.__version__,
+        "threads": threads,
+        "repeats": repeats,
+        "mode": "torch.compile(fullgraph=True)" if compiled else "eager",
+        "rows": rows,
+        "targets": {
+            "oea_vs_vanilla_max_B>=16": max((float(r["oea_vs_vanilla"]) for r in large), default=None),
+            "naive_vs_oea_min_B>=16": min((float(r["naive_vs_oea"]) for r in large), default=None),
+            "goal": "oea_vs_vanilla <= 1.5 and naive_vs_oea >= 5 for B >= 16",
+        },
+    }
+
+
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"oea bench routing (torch {result['torch']}, {result['threads']} thread(s), "
+                  f"{result['mode']}, {result['repeats']} interleaved repeats, median µs [p25–p75])")
+    for col in ("N", "B", "vanilla", "OEA", "naive", "OEA/vanilla", "naive/OEA"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        def cell(name: str, r: dict = r) -> str:
+            return f"{r[name + '_us']:.1f} [{r[name + '_p25_us']:.0f}–{r[name + '_p75_us']:.0f}]"
+
+        table.add_row(str(r["num_experts"]), str(r["batch_size"]), cell("vanilla"), cell("oea"), cell("naive"),
+                      f"{r['oea_vs_vanilla']:.2f}", f"{r['naive_vs_oea']:.1f}")
+    console = Console()
+    console.print(table)
+    t = result["targets"]
+    console.print(f"B >= 16: worst OEA/vanilla = {t['oea_vs_vanilla_max_B>=16']:.2f} (goal <= 1.5), "
+                  f"smallest naive/OEA = {t['naive_vs_oea_min_B>=16']:.1f} (goal >= 5)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """CLI handler of ``oea bench routing``."""
+    result = run(args.num_experts, args.batch_sizes, args.top_k, args.k0, args.repeats, args.threads, args.seed,
+                 args.compile)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return 0

@@ -1,0 +1,41 @@
+"""``oea bench routing``: the naive yardstick is a correct OEA, and the CLI reports every shape."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import oea
+from oea.bench.routing import naive_oea
+from oea.cli import main
+
+
+def test_naive_yardstick_matches_oea_when_the_union_is_large():
+    torch.manual_seed(0)
+    logits = torch.randn(16, 64) * 3
+    spec = oea.RouterSpec(64, 8)
+    ids, w = oea.route(logits, spec, oea.OEAConfig(3))
+    n_ids, n_w = naive_oea(logits, 8, 3)
+    assert int(oea.active_experts(ids, w)) >= 8  # no short rows, so the naive fallback never fires
+    for i in range(16):
+        assert set(ids[i].tolist()) == set(n_ids[i].tolist())
+        torch.testing.assert_close(w[i].sort().values, n_w[i].sort().values)
+
+
+def test_cli_json_reports_every_shape_and_the_targets(capsys):
+    code = main(["bench", "routing", "--num-experts", "32", "64", "--batch-sizes", "1", "16",
+                 "--repeats", "5", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    shapes = {(r["num_experts"], r["batch_size"]) for r in result["rows"]}
+    assert shapes == {(32, 1), (32, 16), (64, 1), (64, 16)}
+    for row in result["rows"]:
+        assert row["vanilla_us"] > 0 and row["oea_us"] > 0 and row["naive_us"] > 0
+        assert row["oea_vs_vanilla"] == row["oea_us"] / row["vanilla_us"]
+    assert set(result["targets"]) >= {"oea_vs_vanilla_max_B>=16", "naive_vs_oea_min_B>=16"}
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    assert main(["bench", "routing", "--k0", "9", "--repeats", "5", "--json"]) == 2
+    assert "--k0" in capsys.readouterr().err
