@@ -8,14 +8,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from oea.routing.comparators import BudgetConfig, SubtractiveConfig
+from oea.routing.ep import EPOEAConfig, ExpertPlacement
+from oea.routing.schedules import AdaptiveK0Config
 from oea.routing.spec import OEAConfig, PrunedConfig
+
+
+def _ep_oea(k0: int, placement: ExpertPlacement | None = None, ep: int | None = None,
+            num_experts: int | None = None, **options: Any) -> EPOEAConfig:
+    if placement is None:
+        if ep is None or num_experts is None:
+            raise ValueError("policy 'ep-oea' needs placement=ExpertPlacement or ep=N with num_experts=N")
+        placement = ExpertPlacement.contiguous(num_experts, ep)
+    return EPOEAConfig(k0, placement, **options)
+
+
+def _needs(name: str, option: str, options: dict[str, Any]) -> Any:
+    if option not in options:
+        raise ValueError(f"policy {name!r} needs the option {option}=...")
+    return options.pop(option)
+
 
 _FACTORIES: dict[str, Callable[..., object | None]] = {
     "vanilla": lambda k0=None, **_: None,
     "pruned": lambda k0, **options: PrunedConfig(k0, **options),
     "oea": lambda k0, **options: OEAConfig(k0, **options),
+    "ep-oea": _ep_oea,
+    "budget": lambda k0=None, **options: BudgetConfig(_needs("budget", "budget", options), **options),
+    "subtractive": lambda k0=None, **options: SubtractiveConfig(_needs("subtractive", "target", options), **options),
+    "adaptive": lambda k0=None, **options: AdaptiveK0Config(
+        tuple(map(tuple, _needs("adaptive", "schedule", options))), **options
+    ),
 }
-_NEEDS_K0: set[str] = {"pruned", "oea"}
+_NEEDS_K0: set[str] = {"pruned", "oea", "ep-oea"}
 
 
 def register_policy_name(name: str, factory: Callable[..., object | None], needs_k0: bool = True) -> None:

@@ -1,0 +1,199 @@
+"""Beyond-the-paper policies: EP-aware OEA, budget and subtractive comparators, adaptive and per-layer k0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oea
+from oea.routing import (
+    AdaptiveK0Config,
+    BudgetConfig,
+    EPOEAConfig,
+    ExpertPlacement,
+    LayerK0Schedule,
+    SubtractiveConfig,
+    make_policy,
+    max_device_active_experts,
+    router_scores,
+)
+
+torch.set_num_threads(1)
+
+
+def chosen_sets(ids: torch.Tensor, weights: torch.Tensor) -> list[set[int]]:
+    return [{int(e) for e, w in zip(r, ws, strict=True) if w != 0} for r, ws in zip(ids, weights, strict=True)]
+
+
+@st.composite
+def batches(draw: st.DrawFn):
+    n = draw(st.sampled_from([16, 32, 64]))
+    k = draw(st.sampled_from([2, 4, 8]))
+    m = draw(st.integers(2, 24))
+    seed = draw(st.integers(0, 2**31 - 1))
+    logits = torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * draw(st.sampled_from([0.5, 2.0, 4.0]))
+    return logits, oea.RouterSpec(n, k), draw(st.integers(1, k)), draw(st.sampled_from([2, 4, 8]))
+
+
+def ep_reference(logits, spec, k0, placement):
+    """Literal EP-aware OEA: per-device slack filled by the most wanted new experts."""
+    probs = torch.softmax(logits.double(), -1)
+    m, n = probs.shape
+    ranking = [sorted(range(n), key=lambda e, p=probs[i]: -float(p[e])) for i in range(m)]
+    union = {e for r in ranking for e in r[:k0]}
+    device = placement.device_of_expert.tolist()
+    counts = [sum(1 for e in union if device[e] == d) for d in range(placement.num_devices)]
+    demand: dict[int, float] = {}
+    for i, r in enumerate(ranking):
+        for e in r[k0 : spec.top_k]:
+            if e not in union:
+                demand[e] = demand.get(e, 0.0) + float(probs[i, e])
+    enlarged = set(union)
+    for d in range(placement.num_devices):
+        mine = sorted((e for e in demand if device[e] == d), key=lambda e: -demand[e])
+        enlarged.update(mine[: max(counts) - counts[d]])
+    out = []
+    for r in ranking:
+        chosen = r[:k0]
+        chosen += [e for e in r[k0:] if e in enlarged][: spec.top_k - k0]
+        out.append(set(chosen))
+    return out, max(counts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_ep_aware_oea_matches_literal_version_and_never_slows_the_busiest_device(case):
+    logits, spec, k0, ep = case
+    placement = ExpertPlacement.contiguous(spec.num_experts, ep)
+    ids, w = oea.route(logits, spec, EPOEAConfig(k0, placement, min_batch=0))
+    want, busiest = ep_reference(logits, spec, k0, placement)
+    assert chosen_sets(ids, w) == want
+    plain_ids, plain_w = oea.route(logits, spec, oea.OEAConfig(k0, min_batch=0))
+    assert int(max_device_active_experts(ids, w, placement)) == busiest
+    assert busiest == int(max_device_active_experts(plain_ids, plain_w, placement))
+    probs = torch.softmax(logits, -1)
+    mass = (probs.gather(1, ids) * (w != 0)).sum(-1)
+    plain_mass = (probs.gather(1, plain_ids) * (plain_w != 0)).sum(-1)
+    assert bool((mass >= plain_mass - 1e-6).all())  # every token keeps at least plain OEA's router mass
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.integers(1, 64))
+def test_budget_comparator(case, budget):
+    logits, spec, _, _ = case
+    budget = min(budget, spec.num_experts)
+    ids, w = oea.route(logits, spec, BudgetConfig(budget, min_batch=0))
+    probs = torch.softmax(logits, -1)
+    v_ids = probs.topk(spec.top_k).indices
+    mass = torch.zeros(spec.num_experts).scatter_add(0, v_ids.reshape(-1), probs.gather(1, v_ids).reshape(-1))
+    allowed = set(mass.topk(budget).indices.tolist()) & {e for e in range(spec.num_experts) if mass[e] > 0}
+    assert int(oea.active_experts(ids, w)) <= budget
+    for i, chosen in enumerate(chosen_sets(ids, w)):
+        inside = sorted(allowed, key=lambda e, i=i: -float(probs[i, e]))[: spec.top_k]
+        assert chosen == set(inside)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.integers(1, 64))
+def test_subtractive_comparator(case, target):
+    logits, spec, _, _ = case
+    target = min(target, spec.num_experts)
+    ids, w = oea.route(logits, spec, SubtractiveConfig(target, min_batch=0))
+    v_ids, v_w = oea.route(logits, spec, None)
+    vanilla_union = set(v_ids.reshape(-1).tolist())
+    t = int(oea.active_experts(ids, w))
+    assert t <= min(target, len(vanilla_union))
+    assert set().union(*chosen_sets(ids, w)) <= vanilla_union
+    if target >= len(vanilla_union):
+        assert chosen_sets(ids, w) == chosen_sets(v_ids, v_w)
+
+
+def test_subtractive_drops_the_least_used_expert():
+    spec = oea.RouterSpec(4, 1)
+    # usage: expert 0 twice, experts 1 and 2 once each; expert 1 carries more mass, so 2 is dropped
+    logits = torch.tensor([[5.0, 0, 0, 0], [5.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0.5, 5.0, 1.0]])
+    ids, w = oea.route(logits, spec, SubtractiveConfig(2, min_batch=0))
+    assert chosen_sets(ids, w) == [{0}, {0}, {1}, {1}]
+    assert int(oea.active_experts(ids, w)) == 2
+
+
+def test_adaptive_k0_uses_the_schedule_for_the_batch_size():
+    spec = oea.RouterSpec(64, 8)
+    cfg = AdaptiveK0Config(((1, 8), (8, 5), (32, 3)))
+    assert [cfg.k0_for(b) for b in (1, 2, 8, 9, 32, 64)] == [8, 5, 5, 3, 3, 3]
+    gen = torch.Generator().manual_seed(0)
+    for m, k0 in ((4, 5), (16, 3), (64, 3)):
+        logits = torch.randn(m, 64, generator=gen) * 2
+        got = oea.route(logits, spec, cfg)
+        want = oea.route(logits, spec, oea.OEAConfig(k0))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="increasing"):
+        AdaptiveK0Config(((8, 3), (4, 5)))
+    with pytest.raises(ValueError, match=r"k0 must be in 1\.\.top_k"):
+        oea.route(torch.randn(2, 64), spec, AdaptiveK0Config(((4, 9),)))
+
+
+def test_placement_validation_names_the_experts():
+    with pytest.raises(ValueError, match=r"missing experts \[3\]"):
+        ExpertPlacement.from_devices([[0, 1], [2]], num_experts=4)
+    with pytest.raises(ValueError, match=r"experts \[1\] are replicated"):
+        ExpertPlacement.from_devices([[0, 1], [1, 2, 3]], num_experts=4)
+    placement = ExpertPlacement.from_devices([[0, 1], [1, 2, 3]], num_experts=4, replica_map={1: 1})
+    assert placement.device_of_expert.tolist() == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="ep must divide num_experts"):
+        ExpertPlacement.contiguous(10, 4)
+    with pytest.raises(ValueError, match="placement covers 8 experts but the router has num_experts=16"):
+        oea.route(torch.randn(2, 16), oea.RouterSpec(16, 4), EPOEAConfig(2, ExpertPlacement.contiguous(8, 2)))
+
+
+def test_layer_k0_schedule_round_trip_and_mismatch(tmp_path):
+    schedule = LayerK0Schedule(num_experts=128, top_k=8, num_layers=3, k0=(3, 5, 4), model="embedded",
+                               calibration={"proxy": "kept_mass", "tolerance": 0.02})
+    path = tmp_path / "k0.json"
+    schedule.save(path)
+    loaded = LayerK0Schedule.load(path)
+    assert loaded == schedule
+    assert loaded.config_for_layer(1) == oea.OEAConfig(5)
+    loaded.check_model(128, 8, 3)
+    with pytest.raises(ValueError, match="num_experts: file has 128, model has 64; num_layers: file has 3"):
+        loaded.check_model(64, 8, 48)
+    with pytest.raises(ValueError, match=r"k0 values must be in 1..top_k=8, got \(layer, k0\) \[\(1, 9\)\]"):
+        LayerK0Schedule(num_experts=128, top_k=8, num_layers=2, k0=(3, 9))
+    with pytest.raises(FileNotFoundError, match="per-layer k0 file not found"):
+        LayerK0Schedule.load(tmp_path / "absent.json")
+
+
+def test_catalog_builds_every_policy():
+    assert make_policy("vanilla") is None
+    assert make_policy("ep-oea", 3, ep=4, num_experts=64).placement.num_devices == 4
+    assert make_policy("budget", budget=20) == BudgetConfig(20)
+    assert make_policy("subtractive", target=20) == SubtractiveConfig(20)
+    assert make_policy("adaptive", schedule=[[4, 6], [64, 3]]).k0_for(16) == 3
+    with pytest.raises(ValueError, match="needs the option budget"):
+        make_policy("budget")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("lynx")
+
+
+def test_beyond_policies_compile_fullgraph():
+    torch._dynamo.reset()
+    spec = oea.RouterSpec(64, 8)
+    placement = ExpertPlacement.contiguous(64, 8)
+    logits = torch.randn(16, 64) * 2
+    valid = torch.arange(16) < 14
+    for cfg in (EPOEAConfig(3, placement), BudgetConfig(24), SubtractiveConfig(24), AdaptiveK0Config(((64, 3),))):
+        fn = torch.compile(lambda x, v, cfg=cfg: oea.route(x, spec, cfg, v), fullgraph=True)
+        got, want = fn(logits, valid), oea.route(logits, spec, cfg, valid)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+
+
+def test_grouped_scores_feed_the_comparators():
+    spec = oea.RouterSpec(16, 2, "sigmoid", n_group=4, topk_group=1)
+    logits = torch.randn(6, 16)
+    scores = router_scores(logits, spec)
+    ids, w = oea.route(logits, spec, BudgetConfig(4, min_batch=0))
+    for i, chosen in enumerate(chosen_sets(ids, w)):
+        assert all(scores.select[i, e] > float("-inf") for e in chosen)  # never outside the token's groups
