@@ -16,6 +16,14 @@ from collections.abc import Sequence
 # a handler takes the parsed ``argparse.Namespace`` and returns an exit code.
 COMMAND_MODULES: tuple[str, ...] = (
     "oea.bench.cli",
+    "oea.traces.cli",
+    "oea.sim.cli",
+    "oea.report.cli",
+    "oea.integrations.doctor_cli",
+    "oea.eval.cli",
+    "oea.bench.layer_cli",
+    "oea.tuning.cli",
+    "oea.bench.serve_cli",
 )
 
 

@@ -10,7 +10,7 @@ variable                    alias                       meaning
 ``OEA_MAX_EXPERTS``                                     cap per token after piggybacking (top_k)
 ``OEA_GROUP_FILL``                                      ``in`` or ``cross`` (grouped routers only)
 ``OEA_APPLY_TO_VERIFY``                                 ``1`` also reroutes speculative verify steps
-``OEA_LAYER_K0_FILE``                                   JSON file of per-layer k0 (see ``oea.policies``)
+``OEA_LAYER_K0_FILE``                                   k0 per layer (``LayerK0Schedule`` JSON)
 ``OEA_METRICS_FILE``                                    where engine plugins write active-expert counts
 ==========================  ==========================  =============================================
 
@@ -71,6 +71,11 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{name} must be one of 0/1/true/false/yes/no/on/off, got {env[name]!r}")
 
 
+def _path(env: Mapping[str, str], name: str) -> str | None:
+    """A file-path variable, stripped like every other variable; blank means unset."""
+    return env.get(name, "").strip() or None
+
+
 def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     """Parse ``OEA_*`` (and the ``SGLANG_OEA_*`` aliases). Raises ``ValueError`` naming a bad variable."""
     env = os.environ if env is None else env
@@ -98,8 +103,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     return EnvSettings(
         oea=cfg,
         apply_to_verify=_flag(env, "OEA_APPLY_TO_VERIFY"),
-        layer_k0_file=env.get("OEA_LAYER_K0_FILE") or None,
-        metrics_file=env.get("OEA_METRICS_FILE") or None,
+        layer_k0_file=_path(env, "OEA_LAYER_K0_FILE"),
+        metrics_file=_path(env, "OEA_METRICS_FILE"),
         source=source,
     )
 

@@ -77,6 +77,21 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_quality(args: argparse.Namespace) -> int:
+    from oea.tuning.quality import adaptive_quality, matched_t_quality
+
+    options = {"positions": args.positions, "generate_tokens": 0}
+    if args.num_batches is not None:
+        options["num_batches"] = args.num_batches
+    result: dict = {}
+    if args.study in ("matched-t", "both"):
+        result["matched_t"] = matched_t_quality(args.model, args.batch_size, args.k0, **options)
+    if args.study in ("adaptive", "both"):
+        result["adaptive"] = adaptive_quality(args.model, args.batch_sizes, **options)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     p = commands.add_parser("calibrate", help="calibrate batch-size-adaptive or per-layer k0 from a trace")
     p.add_argument("what", choices=["adaptive", "layers"], help="adaptive: k0(B); layers: one k0 per layer")
@@ -104,3 +119,14 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     c.add_argument("--plot", help="write a PNG of quality loss vs T and vs busiest-device T")
     c.add_argument("--json", action="store_true")
     c.set_defaults(handler=_compare)
+
+    q = commands.add_parser("compare-quality",
+                            help="ΔCE of every policy on a real model (matched T; adaptive vs fixed k0)")
+    q.add_argument("study", choices=["matched-t", "adaptive", "both"])
+    q.add_argument("--model", help="local HF MoE checkpoint (default: the embedded model)")
+    q.add_argument("--batch-size", type=int, default=16, help="for matched-t")
+    q.add_argument("--k0", type=int, nargs="+", default=[2, 3, 4, 5], help="for matched-t")
+    q.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="for adaptive")
+    q.add_argument("--positions", type=int, default=32)
+    q.add_argument("--num-batches", type=int)
+    q.set_defaults(handler=_compare_quality)

@@ -1,0 +1,222 @@
+"""GPU check of ``oea bench layer``: CUDA-graph routing + MoE layer, graph-vs-eager equality.
+
+Run by ``scripts/gpu_check.sh`` (<= 8 minutes on one H100/H200, no network). Steps:
+
+1. ``oea.route`` captured in a CUDA graph equals eager ``oea.route`` for vanilla, OEA and pruned,
+   with padding rows marked through ``valid``, over several inputs replayed through the same graph;
+   the same for the MoE layer (route + grouped layer) output.
+2. The layer benchmark on CUDA (each timed call = one CUDA-graph replay of routing + layer, or of
+   the layer alone for the synthetic T sweep) for the Qwen3-30B-A3B layer at B = 16 on the bundled
+   Qwen3 trace, then OLMoE and a GLM-5 TP-8 slice; a short table each.
+
+Results go to ``$OUT/gpu_check.json`` when ``OUT`` is set (or ``--out``). ``--device cpu --dry-run``
+runs the same code eagerly on tiny sizes (what the CPU test suite exercises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import oea
+
+RouteFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def graphed(fn: Callable[..., Any], *static_inputs: torch.Tensor) -> Callable[..., Any]:
+    """Capture ``fn(*static_inputs)`` in a CUDA graph; the result copies new inputs into the static
+    buffers, replays and returns (clones of) the graph's outputs. On CPU: ``fn`` itself (eager)."""
+    if static_inputs[0].device.type != "cuda":
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(*static_inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(*static_inputs)
+
+    def replay(*inputs: torch.Tensor) -> Any:
+        for buffer, value in zip(static_inputs, inputs, strict=True):
+            buffer.copy_(value)
+        graph.replay()
+        if isinstance(static_out, tuple):
+            return tuple(t.clone() for t in static_out)
+        return static_out.clone()
+
+    return replay
+
+
+def compare_routing(
+    eager: tuple[torch.Tensor, torch.Tensor], captured: tuple[torch.Tensor, torch.Tensor], valid: torch.Tensor
+) -> dict[str, Any]:
+    """Equality of two routings ([M, k] ids, [M, k] weights): ids exactly, weights to 1e-6, T equal."""
+    ids_equal = bool(torch.equal(eager[0].cpu(), captured[0].cpu()))
+    weight_diff = float((eager[1].float().cpu() - captured[1].float().cpu()).abs().max())
+    t_eager = int(oea.active_experts(*eager, valid=valid))
+    t_captured = int(oea.active_experts(*captured, valid=valid))
+    return {"ids_equal": ids_equal, "max_weight_diff": weight_diff, "active_eager": t_eager,
+            "active_captured": t_captured, "ok": ids_equal and weight_diff <= 1e-6 and t_eager == t_captured}
+
+
+def check_graph_routing(
+    device: str, num_experts: int = 128, top_k: int = 8, rows: int = 16, padding: int = 4, trials: int = 3,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Graph-captured ``oea.route`` vs eager for vanilla, OEA (k0 3) and pruned (k0 3), softmax and grouped
+    sigmoid routers, ``padding`` trailing padding rows (``valid`` False); ``trials`` inputs per graph."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = {
+        "softmax": oea.RouterSpec(num_experts, top_k),
+        "sigmoid-grouped": oea.RouterSpec(num_experts, top_k, scoring="sigmoid", n_group=8, topk_group=4,
+                                          correction_bias=torch.randn(num_experts, generator=gen).to(device) * 0.1,
+                                          routed_scaling_factor=2.5),
+    }
+    configs = {"vanilla": None, "oea k0=3": oea.OEAConfig(3), "pruned k0=3": oea.PrunedConfig(3)}
+    valid = torch.arange(rows) < rows - padding
+    results = []
+    for spec_name, spec in specs.items():
+        for cfg_name, cfg in configs.items():
+            def route(
+                logits: torch.Tensor, mask: torch.Tensor, spec=spec, cfg=cfg
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                return oea.route(logits, spec, cfg, valid=mask)
+
+            static_logits = torch.randn(rows, num_experts, generator=gen).to(device)
+            static_valid = valid.to(device)
+            captured = graphed(route, static_logits, static_valid)
+            for trial in range(trials):
+                logits = (torch.randn(rows, num_experts, generator=gen) * (1 + trial)).to(device)
+                eager = oea.route(logits, spec, cfg, valid=static_valid)
+                result = compare_routing(eager, captured(logits, static_valid), static_valid)
+                results.append({"router": spec_name, "policy": cfg_name, "trial": trial, **result})
+    return results
+
+
+def check_graph_layer(device: str, dims: Sequence[int] = (64, 8, 256, 128), rows: int = 16, seed: int = 0,
+                      dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """Graph-captured route + grouped MoE layer vs eager, for vanilla and OEA k0 = 3."""
+    from oea.bench.moe_layer import MoEShape, init_weights, moe_forward
+
+    n, k, h, i = dims
+    shape = MoEShape(n, k, h, i)
+    experts = init_weights(shape, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed)
+    spec = oea.RouterSpec(n, k)
+    impl = "grouped" if device == "cuda" else "loop"
+    results = []
+    for name, cfg in (("vanilla", None), ("oea k0=3", oea.OEAConfig(3))):
+        def block(logits: torch.Tensor, hidden: torch.Tensor, cfg=cfg) -> torch.Tensor:
+            ids, weights = oea.route(logits, spec, cfg)
+            return moe_forward(hidden, ids, weights, experts, impl)  # type: ignore[arg-type]
+
+        static = (torch.randn(rows, n, generator=gen).to(device), torch.randn(rows, h, generator=gen).to(device, dtype))
+        captured = graphed(block, *static)
+        logits = torch.randn(rows, n, generator=gen).to(device)
+        hidden = torch.randn(rows, h, generator=gen).to(device, dtype)
+        diff = float((block(logits, hidden).float() - captured(logits, hidden).float()).abs().max())
+        results.append({"policy": name, "max_abs_diff": diff, "ok": diff <= 1e-2})
+    return results
+
+
+def bench_runs(device: str, dry_run: bool, repeats: int, threads: int) -> list[dict[str, Any]]:
+    """Run the layer benchmark settings of this check; returns their results (each with ``label``)."""
+    from oea.bench.layer import LayerBenchConfig, run_layer_bench
+    from oea.bench.moe_layer import MoEShape
+
+    if dry_run:
+        runs = [("tiny (dry run)", LayerBenchConfig(preset="qwen3-30b-a3b", trace="qwen3-30b-a3b", batch_size=16,
+                                                      k0s=(3,), repeats=repeats, warmup=1, threads=threads,
+                                                      device=device, shape=MoEShape(128, 8, 64, 32),
+                                                      t_sweep=(8, 64, 128), num_batches=4))]
+    else:
+        common = {"repeats": repeats, "warmup": 5, "threads": threads, "device": device}
+        runs = [
+            ("qwen3-30b-a3b B=16 (paper setting)", LayerBenchConfig(preset="qwen3-30b-a3b", k0s=(3, 4, 5, 6, 7),
+                                                                     batch_size=16, **common)),
+            ("olmoe-1b-7b B=16", LayerBenchConfig(preset="olmoe-1b-7b", k0s=(3, 5), batch_size=16, **common)),
+            ("glm-5 TP8 slice B=16 (bf16, random logits)", LayerBenchConfig(preset="glm-5", tp=8, k0s=(3, 5),
+                                                                             batch_size=16, trace="random", **common)),
+        ]
+    results = []
+    for label, config in runs:
+        start = time.perf_counter()
+        result = run_layer_bench(config)
+        result["label"] = label
+        result["wall_s"] = time.perf_counter() - start
+        results.append(result)
+    return results
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The short printed table."""
+    lines = [f"graph-vs-eager routing: {sum(r['ok'] for r in report['graph_routing'])}/"
+             f"{len(report['graph_routing'])} ok; layer: {sum(r['ok'] for r in report['graph_layer'])}/"
+             f"{len(report['graph_layer'])} ok"]
+    for run in report["bench"]:
+        lines.append(f"== {run['label']} ({run['machine']}, impl={run['impl']}, {run['wall_s']:.0f} s)")
+        lines.append(f"{'variant':<14}{'T':>7}{'B·k':>7}{'median µs':>11}{'95% CI µs':>19}{'GB/s':>9}{'ratio':>8}")
+        for r in run["rows"] + run["sweep"]:
+            ratio = r.get("ratio_vs_vanilla")
+            lines.append(f"{r['label']:<14}{r['mean_active_experts']:>7.1f}{r['mean_token_slots']:>7.0f}"
+                         f"{r['latency_us_median']:>11.1f}{r['latency_us_ci95'][0]:>9.1f}–{r['latency_us_ci95'][1]:<9.1f}"
+                         f"{r['bandwidth_GBps_median']:>9.1f}{'' if ratio is None else f'{ratio:>8.3f}'}")
+        fit = run["fit"]
+        if fit:
+            lines.append(f"fit: {fit['b_us']:.2f} µs·T + {fit['a_us']:.3f} µs·B·k + {fit['c_us']:.1f} µs, "
+                         f"R²={fit['r2']:.4f}")
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, few repeats (runs eagerly on CPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per benchmark (default 200; 3 dry)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU side)")
+    parser.add_argument("--out", default=None, help="result file (default: $OUT/gpu_check.json when OUT is set)")
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.dry_run:
+        parser.error("--device cpu is only for --dry-run (use `oea bench layer` for CPU measurements)")
+    if args.repeats is None:
+        args.repeats = 3 if args.dry_run else 200
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {"device": args.device, "dry_run": args.dry_run, "torch": torch.__version__}
+    report["graph_routing"] = check_graph_routing(args.device)
+    report["graph_layer"] = check_graph_layer(args.device)
+    report["bench"] = bench_runs(args.device, args.dry_run, args.repeats, args.threads)
+    report["ok"] = all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
+    print("\n".join(summary_lines(report)))
+    out = args.out or (str(pathlib.Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None)
+    if out:
+        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {out}")
+    if not report["ok"]:
+        print("gpu_check: FAILED: graph-captured results differ from eager (see the JSON)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

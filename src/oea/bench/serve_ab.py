@@ -1,0 +1,200 @@
+"""``oea bench serve`` driver: arms from the command line, running servers or one restarted vLLM server.
+
+Restart mode (``--serve-arm NAME=ENV ... -- <vllm args>``): for each round, each arm (order alternating
+between rounds) gets a fresh vLLM server started with its environment, runs the whole concurrency
+sweep, and is stopped; the plugin's metrics file of that server (``OEA_METRICS_FILE``, one per arm
+and round) is summarised into the rows: ``engine_routing_us_per_call`` (mean over decode-step
+routing calls in the round's time window), ``engine_active_experts`` (mean per layer and decode step)
+and ``engine_decode_steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from oea.bench.serve import Arm, BenchConfig, append_jsonl, load_rows, plot, run_benchmark, summarize
+
+
+def parse_arms(args: argparse.Namespace) -> list[Arm]:
+    """Arms on running servers: ``--base-url``, ``--base-url-a/-b``, ``--arm NAME=URL``."""
+    arms = []
+    if args.base_url:
+        arms.append(Arm("server", args.base_url))
+    if bool(args.base_url_a) != bool(args.base_url_b):
+        raise ValueError("--base-url-a and --base-url-b go together")
+    if args.base_url_a:
+        arms += [Arm("a", args.base_url_a), Arm("b", args.base_url_b)]
+    for spec in args.arm:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--arm must be NAME=URL, got {spec!r}")
+        arms.append(Arm(name, url))
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique, got {names}")
+    return arms
+
+
+def parse_serve_arms(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME=VAR=VALUE VAR2=VALUE2`` (or ``NAME=`` for stock) -> {name: env}."""
+    arms: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--serve-arm must be NAME=ENV (ENV: space-separated VAR=VALUE), got {spec!r}")
+        env = {}
+        for item in shlex.split(rest):
+            var, eq, value = item.partition("=")
+            if not eq or not var:
+                raise ValueError(f"--serve-arm {name}: expected VAR=VALUE, got {item!r}")
+            env[var] = value
+        if name in arms:
+            raise ValueError(f"--serve-arm names must be unique, got {name!r} twice")
+        arms[name] = env
+    return arms
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """The request mix from the parsed flags."""
+    return BenchConfig(
+        model=args.model, dataset=args.dataset, num_prompts=args.num_prompts,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, text_input_chars=args.text_input_chars,
+        concurrencies=tuple(args.max_concurrency), rounds=args.rounds, warmup_requests=args.warmup_requests,
+        seed=args.seed, timeout=args.timeout,
+    )
+
+
+def engine_summary(metrics_rows: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
+    """Decode-step routing time and active experts inside [start, end] (worker clock = wall clock)."""
+    rows = [r for r in metrics_rows if start <= r["time"] <= end + 1.0 and r["decode"]]
+    times = [t for r in rows for t in r.get("routing_us", [])]
+    active = [a for r in rows for a in r["active"]]
+    stock = [a for r in rows for a in r.get("active_stock", [])]
+    out: dict[str, Any] = {
+        "engine_decode_steps": len(rows),
+        "engine_routing_us_per_call": statistics.mean(times) if times else math.nan,
+        "engine_routing_us_median": statistics.median(times) if times else math.nan,
+        "engine_active_experts": statistics.mean(active) if active else math.nan,
+        "engine_mean_decode_rows": statistics.mean(r["rows"] for r in rows) if rows else math.nan,
+    }
+    if stock:
+        out["engine_active_experts_stock"] = statistics.mean(stock)
+    return out
+
+
+def engine_enricher(metrics_files: dict[str, Path], flush_wait: float = 1.0):
+    """``enrich(row)`` for ``run_benchmark``: adds ``engine_*`` fields from the arm's OEA metrics file
+    (written by the vLLM worker; see docs/vllm.md) for the row's time window."""
+
+    def enrich(row: dict[str, Any]) -> None:
+        path = metrics_files.get(row["arm"])
+        if path is None:
+            return
+        if path.exists():  # it appears at the worker's first flush (the warm-up requests)
+            time.sleep(flush_wait)  # the worker flushes every OEA_METRICS_FLUSH_S (0.5 s by default)
+        engine_rows = load_rows(path) if path.exists() else []
+        row.update(engine_summary(engine_rows, row["start_time"], row["end_time"]))
+
+    return enrich
+
+
+def parse_engine_metrics(specs: list[str]) -> dict[str, Path]:
+    """``NAME=FILE`` items of ``--engine-metrics`` -> {arm name: path}."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--engine-metrics must be NAME=FILE, got {spec!r}")
+        out[name] = Path(path)
+    return out
+
+
+def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], cfg: BenchConfig,
+                  out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
+                  progress: bool) -> list[dict[str, Any]]:
+    """Restart mode: one server per (round, arm), arm order alternating between rounds."""
+    from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
+    from oea.launch.vllm_cli import strip_separator
+
+    vllm_args = strip_separator(vllm_args)
+    if not vllm_args:
+        raise ValueError("restart mode needs the vLLM server arguments after '--'")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = list(serve_arms)
+    rows: list[dict[str, Any]] = []
+    for r in range(cfg.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            metrics_file = out_dir / f"engine-{name}-round{r}.jsonl"
+            metrics_file.unlink(missing_ok=True)
+            env = oea_env(None, None)
+            env.update({"OEA_METRICS_FILE": str(metrics_file), "OEA_TIMING": "1", **serve_arms[name]})
+            server = start_server(vllm_args, env, python=python, log_path=out_dir / f"server-{name}-round{r}.log")
+            try:
+                wait_healthy(server, timeout=health_timeout)
+                single = BenchConfig(**{**cfg.__dict__, "rounds": 1, "seed": cfg.seed + 100 * r})
+                for row in run_benchmark([Arm(name, server.base_url)], single, progress=progress,
+                                         enrich=engine_enricher({name: metrics_file})):
+                    row["round"] = r
+                    row["arm_env"] = serve_arms[name]
+                    rows.append(row)
+                    if output_file is not None:
+                        append_jsonl(output_file, row)
+            finally:
+                stop_server(server)
+    return rows
+
+
+def _print_table(summary: list[dict[str, Any]]) -> None:
+    print(f"{'arm':>12} {'conc':>5} {'rounds':>6} {'out tok/s (min..max)':>28} {'mean TPOT ms (min..max)':>28}")
+    for s in summary:
+        print(f"{s['arm']:>12} {s['max_concurrency']:>5} {s['rounds']:>6} "
+              f"{s['output_throughput_median']:>10.1f} "
+              f"({s['output_throughput_min']:.1f}..{s['output_throughput_max']:.1f})"
+              f" {s['mean_tpot_ms_median']:>10.2f} ({s['mean_tpot_ms_min']:.2f}..{s['mean_tpot_ms_max']:.2f})")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Handler of ``oea bench serve``; returns the exit code."""
+    cfg = bench_config(args)
+    output_file = Path(args.output_file) if args.output_file else None
+    if args.serve_arm:
+        if args.base_url or args.base_url_a or args.arm:
+            raise ValueError("--serve-arm (restart mode) cannot be combined with --base-url/--arm")
+        serve_arms = parse_serve_arms(args.serve_arm)
+        out_dir = Path(args.engine_metrics_dir or (output_file.parent if output_file else Path("oea-bench-serve")))
+        rows = run_restarted(serve_arms, list(args.vllm_args), cfg, out_dir, output_file, args.python,
+                             args.health_timeout, progress=not args.no_progress)
+    else:
+        if args.vllm_args and args.vllm_args != ["--"]:
+            raise ValueError("vLLM arguments after '--' are only used with --serve-arm (restart mode)")
+        arms = parse_arms(args)
+        if not arms:
+            raise ValueError("give a server: --base-url URL, --base-url-a URL --base-url-b URL, --arm NAME=URL, "
+                             "or --serve-arm NAME=ENV ... -- <vllm args>")
+        from oea.bench.serve import ServerUnreachable
+
+        try:
+            enrich = engine_enricher(parse_engine_metrics(args.engine_metrics)) if args.engine_metrics else None
+            rows = run_benchmark(arms, cfg, output_file=output_file, progress=not args.no_progress, enrich=enrich)
+        except ServerUnreachable as err:
+            print(f"oea bench serve: error: {err}", file=sys.stderr)
+            return 1
+    summary = summarize(rows)
+    if args.plot:
+        size = (f"in={cfg.text_input_chars} chars" if cfg.dataset == "text" else f"in={cfg.random_input_len}")
+        plot(rows, args.plot, title=f"{cfg.dataset} {size} out={cfg.random_output_len} tokens")
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    else:
+        _print_table(summary)
+    return 0

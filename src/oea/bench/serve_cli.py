@@ -1,0 +1,88 @@
+"""``oea bench serve`` and ``oea serve vllm`` (parsers only; the work happens in ``oea.bench.serve``,
+``oea.bench.serve_ab`` and ``oea.launch.vllm``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from oea.bench.serve_ab import main
+
+    return main(args)
+
+
+def _serve_vllm(args: argparse.Namespace) -> int:
+    from oea.launch.vllm_cli import main
+
+    return main(args)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser(
+        "serve",
+        help="serving benchmark / A/B against OpenAI-compatible /v1/completions servers",
+        description=(
+            "Streamed /v1/completions load at each --max-concurrency; TTFT, TPOT, ITL, E2EL "
+            "(mean/median/p99), output tok/s, req/s as vLLM and SGLang define them. Arms: --base-url (one "
+            "server), --base-url-a/--base-url-b (two servers), --arm NAME=URL (any number), or "
+            "--serve-arm NAME=ENV ... -- <vllm args> (one server restarted per arm and round). Rounds "
+            "alternate arm order (A B, B A, ...)."
+        ),
+    )
+    p.add_argument("--base-url", help="one server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url-a", help="A/B: arm 'a' server")
+    p.add_argument("--base-url-b", help="A/B: arm 'b' server")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=URL", help="an arm on a running server")
+    p.add_argument("--serve-arm", action="append", default=[], metavar="NAME=ENV",
+                   help="restart mode: an arm served by 'oea serve vllm' with ENV (space-separated VAR=VALUE, "
+                        "e.g. 'OEA_K0=3'; empty for stock) and the vLLM arguments after '--'")
+    p.add_argument("--model", help="model name sent in requests (default: the server's first /v1/models entry)")
+    p.add_argument("--dataset", choices=("random", "text"), default="random")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per (arm, concurrency, round)")
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens (with ignore_eos)")
+    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--text-input-chars", type=int, default=512, help="text dataset: prompt length in characters")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], metavar="C")
+    p.add_argument("--rounds", type=int, default=1, help="measured rounds per arm and concurrency")
+    p.add_argument("--warmup-requests", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--output-file", help="append one JSON line per measured round (sglang field names)")
+    p.add_argument("--plot", help="PNG of TPOT and output tok/s vs concurrency, one line per arm")
+    p.add_argument("--engine-metrics-dir",
+                   help="restart mode: directory for each server's OEA_METRICS_FILE and log (default: "
+                        "next to --output-file)")
+    p.add_argument("--engine-metrics", action="append", default=[], metavar="NAME=FILE",
+                   help="an arm's OEA_METRICS_FILE (vLLM plugin): adds engine_* fields (routing us per call, "
+                        "active experts per decode step) for each round's time window")
+    p.add_argument("--python", help="restart mode: interpreter with vLLM installed (default: this one)")
+    p.add_argument("--health-timeout", type=float, default=900.0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the rows and summary as JSON")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="restart mode: '--' then vLLM server arguments")
+    p.set_defaults(handler=_bench_serve)
+
+    s = commands.add_parser("serve", help="start an inference server with OEA enabled")
+    engines = s.add_subparsers(dest="serve_engine", metavar="ENGINE")
+    s.set_defaults(handler=lambda _args: _usage(s))
+    v = engines.add_parser(
+        "vllm",
+        help="python -m vllm.entrypoints.openai.api_server with OEA_K0/OEA_MIN_BATCH set",
+        description="Sets OEA_K0 / OEA_MIN_BATCH, starts vLLM's OpenAI server (bound to 127.0.0.1 unless "
+                    "--host is given after '--'), waits for /health and forwards SIGINT/SIGTERM.",
+    )
+    v.add_argument("--k0", type=int, help="baseline experts per token (1..top_k); omit for stock routing")
+    v.add_argument("--min-batch", type=int, help="vanilla routing below this many rows (OEA_MIN_BATCH)")
+    v.add_argument("--metrics-file", help="OEA_METRICS_FILE: JSONL of active experts per decode step")
+    v.add_argument("--timing", action="store_true", help="OEA_TIMING=1: time the routing op in the worker")
+    v.add_argument("--python", help="interpreter with vLLM installed (default: this one)")
+    v.add_argument("--health-timeout", type=float, default=900.0)
+    v.add_argument("vllm_args", nargs=argparse.REMAINDER, help="'--' then vLLM server arguments")
+    v.set_defaults(handler=_serve_vllm)

@@ -1,0 +1,108 @@
+"""Teacher-forced lock-step batched decoding and greedy generation with a routing policy attached.
+
+Lock-step decode: B windows advance together; the first ``prefill`` tokens go through one prefill
+forward (vanilla routing: OEA is decode-only), then every later position is one decode forward of
+B tokens (input ``[B, 1]`` with the KV cache), so the router at position t sees exactly the B tokens
+at t, as a serving engine's decode step would.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DecodeCounts:
+    """Routing totals over decode steps, summed over layers: steps, rows, active experts, used slots."""
+
+    layer_steps: int = 0
+    rows: int = 0
+    active_total: float = 0.0
+    slots_total: float = 0.0
+    per_layer_active: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def mean_active_experts(self) -> float:
+        """Distinct non-zero-weight experts per layer per decode step."""
+        return self.active_total / self.layer_steps if self.layer_steps else 0.0
+
+    @property
+    def mean_experts_per_token(self) -> float:
+        """Non-zero-weight expert slots per token per layer."""
+        return self.slots_total / self.rows if self.rows else 0.0
+
+
+def handle_totals(handle: Any) -> dict[int, tuple[int, int, float, float]]:
+    """``{layer: (steps, rows, active experts summed over steps, used slots summed over rows)}``."""
+    totals = {}
+    for index, s in handle.stats().items():
+        totals[index] = (
+            s["steps"], s["tokens"], s["mean_active_experts"] * s["steps"], s["mean_experts_per_token"] * s["tokens"]
+        )
+    return totals
+
+
+def add_counts(counts: DecodeCounts, before: dict, after: dict) -> None:
+    """Add the difference of two ``handle_totals`` snapshots to ``counts``."""
+    for index, (steps, rows, active, slots) in after.items():
+        b_steps, b_rows, b_active, b_slots = before[index]
+        counts.layer_steps += steps - b_steps
+        counts.rows += rows - b_rows
+        counts.active_total += active - b_active
+        counts.slots_total += slots - b_slots
+        counts.per_layer_active[index] = counts.per_layer_active.get(index, 0.0) + active - b_active
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers >= 5.2x names the cache argument ``cache``; earlier 5.x ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def lockstep_cross_entropy(
+    model: Any, ids: torch.Tensor, prefill: int, handle: Any | None = None, counts: DecodeCounts | None = None
+) -> torch.Tensor:
+    """Per-token next-token CE (nats) of windows ``ids`` [B, L] decoded in lock step -> [B, L - prefill - 1].
+
+    Position ``prefill + j`` is fed at decode step j and predicts token ``prefill + j + 1``. With a
+    ``handle`` and ``counts``, the routing statistics of the decode steps are added to ``counts``
+    (the prefill forward is not a decode step and is not counted).
+    """
+    from transformers import DynamicCache
+
+    if not 1 <= prefill < ids.shape[1] - 1:
+        raise ValueError(f"prefill must be in 1..{ids.shape[1] - 2} for windows of {ids.shape[1]}, got {prefill}")
+    cache_name = _cache_kwarg(model)
+    cache = DynamicCache()
+    out = model(input_ids=ids[:, :prefill], use_cache=True, **{cache_name: cache})
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
+    before = handle_totals(handle) if handle is not None and counts is not None else None
+    losses = []
+    for t in range(prefill, ids.shape[1] - 1):
+        position = torch.full((ids.shape[0], 1), t, dtype=torch.int64)
+        out = model(input_ids=ids[:, t : t + 1], position_ids=position, use_cache=True, **{cache_name: cache})
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
+        logits = out.logits[:, -1].float()
+        losses.append(torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none"))
+    if before is not None:
+        add_counts(counts, before, handle_totals(handle))
+    return torch.stack(losses, dim=1)
+
+
+@torch.no_grad()
+def greedy_generate(model: Any, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``model.generate`` greedily, exactly ``new_tokens`` tokens for prompts [B, P] -> [B, new_tokens]."""
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+    )
+    return out[:, prompts.shape[1] :]

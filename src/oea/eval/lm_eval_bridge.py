@@ -1,0 +1,114 @@
+"""Run lm-evaluation-harness tasks on an HF MoE model with OEA attached.
+
+The model is loaded once, ``oea.attach`` hooks its routers, and the already-loaded model is handed
+to lm-eval's ``HFLM`` wrapper and ``simple_evaluate``. Install with ``pip install -e '.[eval]'``.
+
+OEA is a decode-time policy: with ``decode_only=True`` (the default) it rewrites routing only in
+decode steps, i.e. inside ``model.generate`` — lm-eval's ``generate_until`` tasks. Log-likelihood
+tasks (``loglikelihood``, ``multiple_choice``) score whole sequences in one prefill forward, which
+OEA leaves untouched; pass ``decode_only=False`` to reroute those forwards too (then the expert
+union is taken over every token of the forward, a harsher setting than decoding).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+
+def run_lm_eval(
+    model: Any,
+    tasks: Sequence[str],
+    *,
+    k0: int | None = None,
+    policy: str = "oea",
+    batch_size: int = 16,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    include_path: str | pathlib.Path | None = None,
+    decode_only: bool = True,
+    tokenizer: Any = None,
+    seed: int = 0,
+    builtin_tasks: bool = True,
+    bootstrap_iters: int = 1000,
+) -> dict[str, Any]:
+    """Evaluate ``tasks`` with lm-eval on ``model`` under routing ``policy`` at ``k0``.
+
+    Args:
+        model: None (the embedded model), a checkpoint directory, or a loaded HF model (then
+            pass ``tokenizer``).
+        tasks: lm-eval task names (registered ones, or ones defined in ``include_path``).
+        k0: the policy's k0 in 1..top_k; None evaluates vanilla routing (``policy`` ignored).
+        policy: "oea" or "pruned" (``oea.routing.make_policy`` names); "vanilla" ignores ``k0``.
+        batch_size: lm-eval's batch size, i.e. the decode batch that OEA routes together.
+        limit, num_fewshot: passed to ``lm_eval.simple_evaluate``.
+        include_path: a directory of extra task YAMLs (e.g. a local task over a jsonl file).
+        decode_only: see the module docstring.
+        builtin_tasks: index lm-eval's built-in tasks too (False: only ``include_path``; faster).
+        bootstrap_iters: bootstrap resamples for lm-eval's metric standard errors.
+
+    Returns:
+        ``{"results": lm-eval's per-task metrics, "oea": {"policy", "k0", "decode_only",
+        "decode_steps", "mean_active_experts", "mean_active_experts_vanilla",
+        "mean_experts_per_token"}}`` (routing means over every MoE layer and decode step).
+
+    Raises:
+        ImportError: lm-eval is not installed (names the extra to install).
+        ValueError: k0 outside 1..top_k, an unknown policy, or a model without supported MoE blocks.
+    """
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise ImportError("run_lm_eval needs lm-eval: pip install -e '.[eval]' (or pip install lm-eval)") from err
+
+    import oea
+    from oea.eval.evaluate import _resolve_model
+    from oea.integrations.transformers import find_moe_layers
+    from oea.routing import make_policy
+
+    if policy not in ("vanilla", "pruned", "oea"):
+        raise ValueError(f"policy must be one of ['vanilla', 'pruned', 'oea'], got {policy!r}")
+    model, tokenizer, _ = _resolve_model(model, tokenizer)
+    top_k = min(layer.spec.top_k for layer in find_moe_layers(model))
+    cfg = None
+    if policy != "vanilla" and k0 is not None:
+        if not isinstance(k0, int) or not 1 <= k0 <= top_k:
+            raise ValueError(f"k0 must be an integer in 1..{top_k} (the model's top_k), got {k0!r}")
+        cfg = make_policy(policy, k0)
+    handle = oea.attach(model, cfg, decode_only=decode_only)
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+        manager = TaskManager(
+            include_path=None if include_path is None else str(include_path), include_defaults=builtin_tasks
+        )
+        output = simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+            log_samples=False, bootstrap_iters=bootstrap_iters,
+        )
+        stats = handle.stats()
+    finally:
+        handle.remove()
+    steps = sum(s["steps"] for s in stats.values())
+    tokens = sum(s["tokens"] for s in stats.values())
+
+    def weighted(key: str, by: str) -> float:
+        total = sum(s[by] for s in stats.values())
+        return sum(s[key] * s[by] for s in stats.values()) / total if total else 0.0
+
+    return {
+        "results": output["results"] if output is not None else {},
+        "oea": {
+            "policy": "vanilla" if cfg is None else policy,
+            "k0": None if cfg is None else k0,
+            "decode_only": decode_only,
+            "decode_steps": steps // max(1, len(stats)),
+            "tokens": tokens // max(1, len(stats)),
+            "mean_active_experts": weighted("mean_active_experts", "steps"),
+            "mean_active_experts_vanilla": weighted("mean_active_experts_vanilla", "steps"),
+            "mean_experts_per_token": weighted("mean_experts_per_token", "tokens"),
+        },
+    }

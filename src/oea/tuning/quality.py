@@ -1,0 +1,73 @@
+"""The ΔCE versions of the policy comparisons, measured with ``oea eval`` on a real model.
+
+* ``matched_t_quality``: OEA and pruned at each k0, then budget and subtractive with OEA's measured
+  mean T as their target, all teacher-forced on held-out text at one batch size.
+* ``adaptive_quality``: OEA at every k0 and batch size, then fixed-k0 and calibrated k0(B) schedules
+  compared as points (mean ΔCE, mean T) averaged over the batch sizes; no extra runs are needed
+  because a schedule applies OEA(k0(B)) at each B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from oea.routing import BudgetConfig, SubtractiveConfig
+from oea.tuning.calibrate import adaptive_schedule_from_eval
+
+
+def matched_t_quality(
+    model: Any = None, batch_size: int = 16, k0s: Sequence[int] = (2, 3, 4, 5), **eval_options: Any
+) -> list[dict[str, Any]]:
+    """Rows of ``oea.eval.evaluate`` for vanilla, pruned, OEA, budget and subtractive at matched T."""
+    from oea.eval import evaluate
+
+    rows = evaluate(model, batch_sizes=[batch_size], k0s=list(k0s), policies=["vanilla", "pruned", "oea"],
+                    **eval_options)
+    extra: list[tuple[str, object]] = []
+    for row in rows:
+        if row["policy"] == "oea":
+            target = max(1, round(row["mean_active_experts"]))
+            extra += [("budget", BudgetConfig(target)), ("subtractive", SubtractiveConfig(target))]
+    more = evaluate(model, batch_sizes=[batch_size], k0s=[], policies=["vanilla"], extra_policies=extra,
+                    **eval_options)
+    for (_, cfg), row in zip(extra, [r for r in more if r["policy"] != "vanilla"], strict=True):
+        row["target_T"] = cfg.budget if isinstance(cfg, BudgetConfig) else cfg.target
+        rows.append(row)
+    return rows
+
+
+def _mean_point(rows_by_b: dict[int, dict[int, dict]], k0_of_b: dict[int, int]) -> tuple[float, float]:
+    picks = [rows_by_b[b][k0_of_b[b]] for b in rows_by_b]
+    return (sum(r["delta_ce"] for r in picks) / len(picks), sum(r["mean_active_experts"] for r in picks) / len(picks))
+
+
+def adaptive_quality(
+    model: Any = None,
+    batch_sizes: Sequence[int] = (1, 4, 16, 64),
+    tolerances: Sequence[float] = (0.01, 0.02, 0.05, 0.1),
+    top_k: int = 8,
+    **eval_options: Any,
+) -> dict[str, Any]:
+    """Fixed k0 = 1..top_k against calibrated k0(B) schedules on (mean ΔCE, mean T) over ``batch_sizes``."""
+    from oea.eval import evaluate
+
+    rows = evaluate(model, batch_sizes=list(batch_sizes), k0s=list(range(1, top_k + 1)),
+                    policies=["vanilla", "oea"], **eval_options)
+    by_b: dict[int, dict[int, dict]] = {}
+    for r in rows:
+        if r["policy"] == "oea":
+            by_b.setdefault(r["batch_size"], {})[r["k0"]] = r
+    fixed = {k0: _mean_point(by_b, {b: k0 for b in by_b}) for k0 in range(1, top_k + 1)}
+    adaptive = {}
+    for tolerance in tolerances:
+        cfg = adaptive_schedule_from_eval(rows, tolerance, top_k)
+        point = _mean_point(by_b, {b: cfg.k0_for(b) for b in by_b})
+        dominates = [k0 for k0, (d, t) in fixed.items() if d >= point[0] and t >= point[1] and (d, t) != point]
+        dominated_by = [k0 for k0, (d, t) in fixed.items() if d <= point[0] and t <= point[1] and (d, t) != point]
+        adaptive[tolerance] = {"schedule": [list(e) for e in cfg.schedule], "delta_ce": point[0],
+                               "mean_active_experts": point[1], "dominates_fixed_k0": dominates,
+                               "dominated_by_fixed_k0": dominated_by}
+    return {"batch_sizes": list(batch_sizes), "rows": rows,
+            "fixed": {k0: {"delta_ce": d, "mean_active_experts": t} for k0, (d, t) in fixed.items()},
+            "adaptive": adaptive}

