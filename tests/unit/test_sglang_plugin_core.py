@@ -339,3 +339,30 @@ def test_direct_patch_updates_by_name_copies(monkeypatch: pytest.MonkeyPatch) ->
     plugin._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")  # no double wrap
     assert source.compute(3) == 7 and importer.compute(3) == 7
     assert plugin._has_hook(importer.compute, doubling_before)
+
+
+def test_per_layer_k0_file_sets_each_layers_k0(fake_topk_module: types.ModuleType, tmp_path) -> None:
+    path = tmp_path / "k0.json"
+    oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(1, 6), layer_ids=(5, 9)).save(path)
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)})
+    plugin._STATE.layer_schedule = oea.routing.LayerK0Schedule.load(path)
+    kwargs = _hook_kwargs(glm_config())
+    spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
+    with plugin.forward_mode(FakeMode.DECODE):
+        _, layer5 = plugin._post_process_before(**kwargs)
+        _, layer7 = plugin._post_process_before(**{**kwargs, "layer_id": 7})  # not in the file: OEA_K0
+    assert torch.equal(layer5["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(1))[0])
+    assert torch.equal(layer7["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(3))[0])
+
+
+def test_per_layer_k0_file_for_another_model_falls_back_visibly(
+    fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    plugin._STATE.layer_schedule = oea.routing.LayerK0Schedule(num_experts=128, top_k=8, num_layers=1, k0=(1,))
+    kwargs = _hook_kwargs(glm_config())
+    spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
+        _, new = plugin._post_process_before(**kwargs)
+    assert torch.equal(new["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))[0])
+    assert any("num_experts 128 vs 64" in r.getMessage() for r in caplog.records)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from oea.config import EnvSettings, settings_from_env
-from oea.routing import OEAConfig, RouterSpec, route
+from oea.routing import LayerK0Schedule, OEAConfig, RouterSpec, route
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class _State:
     phase_hook_seen: bool = False
     rewrite_hook_seen: bool = False
     rewrites: int = 0
+    layer_schedule: LayerK0Schedule | None = None
 
 
 _STATE = _State()
@@ -345,7 +346,8 @@ def _post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], di
             _warn_once(f"unsupported:{spec}", f"layer {kwargs.get('layer_id')}: {spec}; passing through "
                                               "(further layers with this routing: silently)")
             return None
-        result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, settings.oea,
+        cfg = _layer_config(settings.oea, spec, kwargs.get("layer_id"))
+        result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
                               kwargs.get("num_token_non_padded"))
     except UnsupportedRouting as why:
         _warn_once(f"unsupported:{why}", f"layer {kwargs.get('layer_id')}: {why}; passing through")
@@ -360,6 +362,25 @@ def _post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], di
         return None
     _STATE.rewrites += 1
     return args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}
+
+
+def _layer_config(default: OEAConfig, spec: RouterSpec, layer_id: int | None) -> OEAConfig:
+    """The per-layer config from ``OEA_LAYER_K0_FILE`` for ``layer_id``, else ``default`` (OEA_K0)."""
+    schedule = _STATE.layer_schedule
+    if schedule is None:
+        return default
+    if (schedule.num_experts, schedule.top_k) != (spec.num_experts, spec.top_k):
+        _warn_once("layer-k0-model", f"OEA_LAYER_K0_FILE was calibrated for another model (num_experts "
+                                     f"{schedule.num_experts} vs {spec.num_experts}, top_k {schedule.top_k} vs "
+                                     f"{spec.top_k}); using OEA_K0={default.k0} for every layer")
+        return default
+    index = None if layer_id is None else schedule.index_of_layer_id(int(layer_id))
+    if index is None:
+        _warn_once(f"layer-k0-missing:{layer_id}", f"layer {layer_id} is not in OEA_LAYER_K0_FILE; using "
+                                                   f"OEA_K0={default.k0} there")
+        return default
+    k0 = schedule.k0[index]
+    return OEAConfig(k0, max_experts=default.max_experts, min_batch=default.min_batch, group_fill=default.group_fill)
 
 
 def _spec_for(topk_config: Any, num_experts: int) -> RouterSpec | str:
@@ -458,9 +479,12 @@ def install(settings: EnvSettings) -> list[str]:
     if simulated:
         _warn_once("simulate", f"{', '.join(simulated)} overrides routing; OEA is not installed")
         return []
+    _STATE.layer_schedule = None
     if settings.layer_k0_file:
-        _warn_once("layer-k0", "OEA_LAYER_K0_FILE is not supported by the SGLang plugin; using OEA_K0 for "
-                               "every layer")
+        try:
+            _STATE.layer_schedule = LayerK0Schedule.load(settings.layer_k0_file)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file!r}: {err}") from None
     _STATE.settings = settings
     _SPECS.clear()
     if _STATE.installed_targets:

@@ -79,6 +79,8 @@ class LayerK0Schedule:
         k0: one k0 per MoE layer, in layer order.
         min_batch: as in ``OEAConfig``.
         model: a free-form model name; ``calibration``: how it was made (trace, proxy, tolerance).
+        layer_ids: the engine's decoder-layer index of each MoE layer, where it differs from
+            0..num_layers-1 (e.g. DeepSeek/GLM models whose first layers are dense).
     """
 
     num_experts: int
@@ -88,8 +90,12 @@ class LayerK0Schedule:
     min_batch: int = 2
     model: str = ""
     calibration: dict = field(default_factory=dict)
+    layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_ids is not None and len(self.layer_ids) != self.num_layers:
+            raise ValueError(f"layer_ids must list one id per layer, got {len(self.layer_ids)} ids and "
+                             f"num_layers={self.num_layers}")
         if len(self.k0) != self.num_layers:
             raise ValueError(f"k0 must list one value per layer, got {len(self.k0)} values and "
                              f"num_layers={self.num_layers}")
@@ -111,6 +117,12 @@ class LayerK0Schedule:
         if mismatches:
             raise ValueError(f"per-layer k0 file was calibrated for another model ({'; '.join(mismatches)})")
 
+    def index_of_layer_id(self, layer_id: int) -> int | None:
+        """Position in ``k0`` of the engine's decoder layer ``layer_id`` (None when not listed)."""
+        if self.layer_ids is not None:
+            return self.layer_ids.index(layer_id) if layer_id in self.layer_ids else None
+        return layer_id if 0 <= layer_id < self.num_layers else None
+
     def config_for_layer(self, layer: int) -> OEAConfig:
         """The ``OEAConfig`` of MoE layer ``layer`` (0-based, in model order)."""
         return OEAConfig(self.k0[layer], min_batch=self.min_batch)
@@ -119,6 +131,10 @@ class LayerK0Schedule:
         """Write the schedule as JSON."""
         data = asdict(self)
         data["k0"] = list(self.k0)
+        if self.layer_ids is None:
+            del data["layer_ids"]
+        else:
+            data["layer_ids"] = list(self.layer_ids)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
     @staticmethod
@@ -133,5 +149,7 @@ class LayerK0Schedule:
         if missing:
             raise ValueError(f"per-layer k0 file {path} lacks fields {missing}")
         data["k0"] = tuple(data["k0"])
+        if data.get("layer_ids") is not None:
+            data["layer_ids"] = tuple(data["layer_ids"])
         known = {f for f in LayerK0Schedule.__dataclass_fields__}
         return LayerK0Schedule(**{key: value for key, value in data.items() if key in known})
