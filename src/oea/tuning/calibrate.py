@@ -83,13 +83,17 @@ def average_over_layers(points: Sequence[ProxyPoint]) -> list[ProxyPoint]:
 def adaptive_schedule(points: Sequence[ProxyPoint], tolerance: float, top_k: int) -> AdaptiveK0Config:
     """For each measured batch size, the smallest k0 whose layer-mean loss <= tolerance.
 
-    Batch sizes between two measured ones use the smaller batch's (safer) k0.
+    A measured size covers the batches up to the next measured size (larger batches lose less, so
+    this errs on the safe side); batches below the smallest measured size were not calibrated and
+    get k0 = top_k (vanilla routing).
     """
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     mean = average_over_layers(points)
     sizes = sorted({p.batch_size for p in mean})
-    schedule = []
+    if not sizes:
+        raise ValueError("no calibration points: measure at least one batch size")
+    schedule = [(sizes[0] - 1, top_k)] if sizes[0] > 1 else []
     for i, b in enumerate(sizes):
         k0 = _smallest_k0((p for p in mean if p.batch_size == b), tolerance, top_k)
         upper = sizes[i + 1] - 1 if i + 1 < len(sizes) else b
@@ -103,16 +107,22 @@ def adaptive_schedule(points: Sequence[ProxyPoint], tolerance: float, top_k: int
     return AdaptiveK0Config(tuple(merged))
 
 
-def adaptive_schedule_from_eval(rows: Sequence[dict], tolerance_ce: float, top_k: int) -> AdaptiveK0Config:
-    """The same from ``oea eval`` rows: smallest OEA k0 with ΔCE <= ``tolerance_ce`` at each batch size."""
+def adaptive_schedule_from_eval(
+    rows: Sequence[dict], tolerance_ce: float, top_k: int, min_batch: int = 2
+) -> AdaptiveK0Config:
+    """The same from ``oea eval`` rows: smallest OEA k0 with ΔCE <= ``tolerance_ce`` at each batch size.
+
+    Batch sizes below ``min_batch`` are skipped: OEA leaves them vanilla, so they say nothing about k0.
+    """
     points = []
     vanilla = {r["batch_size"]: r["cross_entropy"] for r in rows if r["policy"] == "vanilla"}
     for r in rows:
-        if r["policy"] == "oea" and r["batch_size"] in vanilla:
+        if r["policy"] == "oea" and r["batch_size"] in vanilla and r["batch_size"] >= min_batch:
             points.append(ProxyPoint(r["batch_size"], r["k0"], None, r["cross_entropy"] - vanilla[r["batch_size"]],
                                      r["mean_active_experts"]))
     if not points:
-        raise ValueError("eval rows hold no 'oea' rows with a matching 'vanilla' row at the same batch_size")
+        raise ValueError("eval rows hold no 'oea' rows with a matching 'vanilla' row at the same batch_size "
+                         f">= min_batch={min_batch}")
     return adaptive_schedule(points, tolerance_ce, top_k)
 
 

@@ -45,7 +45,7 @@ def _mean_point(rows_by_b: dict[int, dict[int, dict]], k0_of_b: dict[int, int]) 
 def adaptive_quality(
     model: Any = None,
     batch_sizes: Sequence[int] = (1, 4, 16, 64),
-    tolerances: Sequence[float] = (0.01, 0.02, 0.05, 0.1),
+    tolerances: Sequence[float] = (0.005, 0.01, 0.02, 0.05, 0.1),
     top_k: int = 8,
     **eval_options: Any,
 ) -> dict[str, Any]:

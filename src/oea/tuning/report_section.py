@@ -58,6 +58,36 @@ def _adaptive_vs_fixed(ctx: ReportContext, trace: Any) -> tuple[str, dict]:
                    "fixed_points_dominated": dominated_fixed}
 
 
+def _matched_t_quality(ctx: ReportContext, results: dict[str, Any]) -> list[str]:
+    """ΔCE of every policy at matched T on the embedded model (``oea compare-quality matched-t``)."""
+    from oea.report import plots
+    from oea.tuning.quality import matched_t_quality
+
+    k0s = (3,) if ctx.quick else (2, 3, 4, 5)
+    options = {"positions": 4, "num_batches": 1} if ctx.quick else {"positions": 32}
+    lines = [f"### ΔCE at matched T (embedded model, B = {BATCH})", ""]
+    try:
+        rows = matched_t_quality(None, BATCH, k0s, generate_tokens=0, **options)
+    except (ImportError, FileNotFoundError, ValueError, RuntimeError, OSError) as err:
+        results["matched_t_quality"] = {"available": False, "reason": f"{type(err).__name__}: {err}"}
+        return [*lines, f"**Not evaluated**: {type(err).__name__}: {err}", ""]
+    results["matched_t_quality"] = rows
+    path = plots.quality_pareto(rows, ctx.out / "policies_quality_pareto.png")
+    return [
+        *lines,
+        "`oea compare-quality matched-t`: teacher-forced lock-step decode of held-out documents; budget and "
+        "subtractive get OEA's measured T as their target. ΔCE is paired per document (SE in brackets).",
+        "",
+        md_table(["policy", "k0 / target T", "T", "ΔCE vs vanilla", "paired SE", "verdict"],
+                 [[r["policy"], r["k0"] if r.get("target_T") is None else f"T={r['target_T']}",
+                   f"{r['mean_active_experts']:.1f}", f"{r['delta_ce']:+.4f}", f"{r['delta_stderr']:.4f}",
+                   r["verdict"]] for r in rows]),
+        "",
+        ctx.plot(path),
+        "",
+    ]
+
+
 def section_beyond(ctx: ReportContext) -> str:
     """Policies side by side at matched mean T (EP-aware OEA, budget, subtractive) and adaptive k0."""
     from oea.tuning.compare import compare_policies, pareto_front, plot_comparison
@@ -93,6 +123,7 @@ def section_beyond(ctx: ReportContext) -> str:
             ctx.plot(path),
             "",
         ]
+    lines += _matched_t_quality(ctx, results)
     trace = _traces(ctx)[0]
     table, adaptive = _adaptive_vs_fixed(ctx, trace)
     results["adaptive"] = adaptive
