@@ -121,7 +121,10 @@ def test_bundled_flame_trace_has_descending_scores_and_lockstep_structure() -> N
         assert sorted(trace.request_ids[trace.positions == position].tolist()) == list(range(64))
 
 
-RAW_QWEN3 = pathlib.Path("/work/shared/data/qwen3-30b-a3b-vllm-sharegpt-prefill")
+_RAW = "data/qwen3-30b-a3b-vllm-sharegpt-prefill"
+# shared/ lies beside the repository (CI's layout) or at /work/shared (developers' machines)
+RAW_QWEN3 = next((p for p in (pathlib.Path(__file__).resolve().parents[3] / "shared" / _RAW,
+                              pathlib.Path("/work/shared") / _RAW) if p.is_dir()), pathlib.Path(_RAW))
 
 
 @pytest.mark.skipif(not RAW_QWEN3.is_dir(), reason="raw Qwen3 trace data not on this machine")

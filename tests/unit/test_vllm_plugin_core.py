@@ -152,3 +152,14 @@ def test_doctor_without_vllm_reports_instead_of_raising(monkeypatch: pytest.Monk
     assert not by_name["vllm version"]["ok"] and "not installed" in by_name["vllm version"]["detail"]
     assert not by_name["environment"]["ok"] and "OEA_K0" in by_name["environment"]["detail"]
     assert by_name["entry point registered"]["ok"], by_name["entry point registered"]["detail"]
+
+
+def test_layer_k0_file_is_not_silently_ignored(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                               tmp_path) -> None:
+    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "k0.json"))
+    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+    with caplog.at_level("WARNING", logger=plugin.log.name):
+        plugin.register()
+    assert any("OEA_LAYER_K0_FILE is not supported by the vLLM plugin" in r.getMessage() for r in caplog.records)

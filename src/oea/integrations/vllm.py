@@ -115,6 +115,9 @@ def register() -> None:
     settings = settings_from_env()
     timing = _timing_from_env()
     mode = "oea" if settings.oea is not None else ("observe" if settings.metrics_file or timing else "off")
+    if settings.layer_k0_file:
+        _warn_once("layer-k0", "OEA_LAYER_K0_FILE is not supported by the vLLM plugin yet (oea.attach and the "
+                               "SGLang plugin read it); every layer uses OEA_K0")
     if mode == "off" or _STATE.installed:
         return
     _STATE.settings, _STATE.mode, _STATE.timing = settings, mode, timing

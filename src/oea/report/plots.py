@@ -16,6 +16,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt: Any, fig: Any, path: pathlib.Path) -> pathlib.Path:
+    """Lay out, write the PNG, release the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _label(row: dict[str, Any]) -> str:
     return row["policy"] if row["k0"] is None else f"{row['policy']} k0={row['k0']}"
 
@@ -42,10 +50,7 @@ def active_vs_batch(rows: Sequence[dict[str, Any]], k0s: Sequence[int], title: s
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def active_vs_k0(rows: Sequence[dict[str, Any]], batch_size: int, title: str, path: pathlib.Path) -> pathlib.Path:
@@ -70,10 +75,7 @@ def active_vs_k0(rows: Sequence[dict[str, Any]], batch_size: int, title: str, pa
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{title} (B = {batch_size})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def quality_pareto(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
@@ -95,10 +97,7 @@ def quality_pareto(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pathli
     ax.set_title("quality vs active experts (lower-left is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def latency_vs_batch(curves: dict[str, dict[str, list[tuple[int, float]]]], path: pathlib.Path) -> pathlib.Path:
@@ -120,7 +119,4 @@ def latency_vs_batch(curves: dict[str, dict[str, list[tuple[int, float]]]], path
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
