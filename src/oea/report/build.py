@@ -487,29 +487,27 @@ def section_caveats(ctx: ReportContext) -> str:
     ])
 
 
+def section_beyond(ctx: ReportContext) -> str:
+    """Every policy at matched T, EP-aware OEA and adaptive k0 (``oea.tuning.report_section``)."""
+    from oea.tuning.report_section import section_beyond as beyond  # imports this module: load late
+
+    return beyond(ctx)
+
+
 for _name, _section in (("overview", section_overview), ("capture", section_capture),
                         ("simulation", section_simulation), ("quality", section_quality),
                         ("latency", section_latency), ("roofline", section_roofline),
-                        ("caveats", section_caveats)):
+                        ("beyond", section_beyond), ("caveats", section_caveats)):
     register_section(_name, _section)
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def _register_extension_sections() -> None:
-    """Sections contributed by modules above the report (imported late: they import this module)."""
-    from oea.tuning.report_section import section_beyond
-
-    if "beyond" not in [name for name, _ in SECTIONS]:
-        register_section("beyond", section_beyond, before="caveats")
-
-
 def build_report(out: pathlib.Path, quick: bool = False, seed: int = 0, console: Any = None) -> ReportContext:
     """Run every registered section and write ``out/report.md`` and ``out/results.json``."""
     from rich.console import Console
 
-    _register_extension_sections()
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(out=out, sizes=QUICK if quick else FULL, seed=seed,
                         console=console or Console(stderr=True), quick=quick)
