@@ -57,6 +57,7 @@ def _variants(num_experts: int, top_k: int, k0: int, compiled: bool) -> dict[str
         return oea.route(x, spec, cfg)
 
     if compiled:
+        torch._dynamo.reset()  # one compiled graph per shape; do not accumulate recompiles across shapes
         vanilla = torch.compile(vanilla, fullgraph=True, dynamic=False)
         opportunistic = torch.compile(opportunistic, fullgraph=True, dynamic=False)
     return {"vanilla": vanilla, "oea": opportunistic, "naive": lambda x: naive_oea(x, top_k, k0)}
