@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
-def _progress_bar(description: str, enabled: bool):
-    """A rich progress callback ``(done, total)`` on stderr, or ``None`` when disabled."""
+@contextlib.contextmanager
+def _progress_bar(description: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """Yields a rich progress callback ``(done, total)`` on stderr, or ``None`` when disabled."""
     if not enabled:
-        return None, None
+        yield None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(TextColumn(description), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     task = progress.add_task(description, total=None)
-
-    def update(done: int, total: int) -> None:
-        progress.update(task, completed=done, total=total)
-
-    return progress, update
+    with progress:
+        yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
 def wide_console():
@@ -68,18 +69,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, args.threads))
     trace = load_trace(args.trace)
-    progress, update = _progress_bar(f"simulating {trace.name}", not args.json and sys.stderr.isatty())
-    if progress is not None:
-        progress.start()
-    try:
+    with _progress_bar(f"simulating {trace.name}", not args.json and sys.stderr.isatty()) as update:
         rows = simulate(
             trace, policies=args.policies, k0s=args.k0, batch_sizes=args.batch_sizes, mode=args.mode,
             seed=args.seed, num_batches=args.num_batches, model_preset=args.model_preset, gpu=args.gpu,
             tp=args.tp, ep=args.ep, progress=update, policy_options=parse_policy_options(args.policy_option),
         )
-    finally:
-        if progress is not None:
-            progress.stop()
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -117,17 +112,11 @@ def _roofline(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, args.threads))
     trace = None if args.trace == "none" else args.trace
-    progress, update = _progress_bar("simulating trace T", not args.json and sys.stderr.isatty())
-    if progress is not None:
-        progress.start()
-    try:
+    with _progress_bar("simulating trace T", not args.json and sys.stderr.isatty()) as update:
         rows = roofline(
             args.model, args.gpu, tp=args.tp, ep=args.ep, batch_sizes=args.batch_sizes, k0s=args.k0,
             trace=trace, num_batches=args.num_batches, seed=args.seed, progress=update,
         )
-    finally:
-        if progress is not None:
-            progress.stop()
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
