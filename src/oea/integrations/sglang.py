@@ -27,6 +27,7 @@ start-up (:func:`register` raises ``SystemExit`` naming it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -224,6 +225,7 @@ class _State:
     rewrite_hook_seen: bool = False
     rewrites: int = 0
     layer_schedule: LayerK0Schedule | None = None
+    layer_configs: dict[int, OEAConfig] = dataclasses.field(default_factory=dict)
 
 
 _STATE = _State()
@@ -379,8 +381,11 @@ def _layer_config(default: OEAConfig, spec: RouterSpec, layer_id: int | None) ->
         _warn_once(f"layer-k0-missing:{layer_id}", f"layer {layer_id} is not in OEA_LAYER_K0_FILE; using "
                                                    f"OEA_K0={default.k0} there")
         return default
-    k0 = schedule.k0[index]
-    return OEAConfig(k0, max_experts=default.max_experts, min_batch=default.min_batch, group_fill=default.group_fill)
+    cached = _STATE.layer_configs.get(index)
+    if cached is None:  # built once per layer, not on every routing call
+        cached = dataclasses.replace(default, k0=schedule.k0[index])
+        _STATE.layer_configs[index] = cached
+    return cached
 
 
 def _spec_for(topk_config: Any, num_experts: int) -> RouterSpec | str:
@@ -480,6 +485,7 @@ def install(settings: EnvSettings) -> list[str]:
         _warn_once("simulate", f"{', '.join(simulated)} overrides routing; OEA is not installed")
         return []
     _STATE.layer_schedule = None
+    _STATE.layer_configs.clear()
     if settings.layer_k0_file:
         try:
             _STATE.layer_schedule = LayerK0Schedule.load(settings.layer_k0_file)
