@@ -36,25 +36,38 @@ class ComparisonRow:
         return asdict(self)
 
 
-def _evaluate(trace: Trace, cfg: object | None, batches: torch.Tensor, layers: Sequence[int],
-              placement: ExpertPlacement, max_rank: int | None) -> tuple[float, float, float, float]:
-    metric = proxy_name(trace)
-    t, dev, loss, per_token = [], [], [], []
+@dataclass(frozen=True)
+class _LayerInputs:
+    """One layer's router inputs and vanilla routing over the compared batches (computed once)."""
+
+    layer: int
+    logits: torch.Tensor  # [T, N]
+    spec: oea.RouterSpec
+    vanilla_ids: torch.Tensor  # [nb, B, k]
+    mass: torch.Tensor | None  # [nb, B, N]
+
+
+def _layer_inputs(trace: Trace, layers: Sequence[int], batches: torch.Tensor) -> list[_LayerInputs]:
+    inputs = []
     for layer in layers:
         logits, spec, mass = router_inputs(trace, layer)
-        if max_rank is not None and isinstance(cfg, oea.OEAConfig):
-            cfg = oea.OEAConfig(cfg.k0, max_rank=max_rank, min_batch=cfg.min_batch)
-        ids, weights = route_batches(logits, spec, cfg, batches)
-        vanilla_ids = oea.route(logits, spec)[0][batches]
-        sample = LayerBatches(layer, ids, weights, vanilla_ids, None if mass is None else mass[batches],
-                              spec.num_experts)
-        values = core_metrics(sample)
-        load = batch_expert_load(ids, weights, spec.num_experts)
+        inputs.append(_LayerInputs(layer, logits, spec, oea.route(logits, spec)[0][batches],
+                                   None if mass is None else mass[batches]))
+    return inputs
+
+
+def _evaluate(cfg: object | None, batches: torch.Tensor, inputs: Sequence[_LayerInputs], metric: str,
+              placement: ExpertPlacement) -> tuple[float, float, float, float]:
+    t, dev, loss, per_token = [], [], [], []
+    for x in inputs:
+        ids, weights = route_batches(x.logits, x.spec, cfg, batches)
+        values = core_metrics(LayerBatches(x.layer, ids, weights, x.vanilla_ids, x.mass, x.spec.num_experts))
+        load = batch_expert_load(ids, weights, x.spec.num_experts)
         dev.append(float(placement.device_counts(load > 0).max(-1).values.double().mean()))
         t.append(float(values["active_experts"].mean()))
         loss.append(1.0 - float(values[metric].mean()))
         per_token.append(float(values["experts_per_token"].mean()))
-    n = len(layers)
+    n = len(inputs)
     return sum(t) / n, sum(dev) / n, sum(loss) / n, sum(per_token) / n
 
 
@@ -73,11 +86,13 @@ def compare_policies(
     placement = ExpertPlacement.contiguous(spec.num_experts, ep)
     layers = list(range(trace.num_layers)) if layers is None else list(layers)
     batches = make_batches(trace, batch_size, "mixed", num_batches, torch.Generator().manual_seed(seed))
-    max_rank = None if trace.logits is not None else spec.top_k
+    max_rank = None if trace.logits is not None else spec.top_k  # id-only traces: piggyback within top-k
+    inputs = _layer_inputs(trace, layers, batches)
+    metric = proxy_name(trace)
     rows: list[ComparisonRow] = []
 
     def add(policy: str, setting: str, cfg: object | None) -> ComparisonRow:
-        t, dev, loss, per_token = _evaluate(trace, cfg, batches, layers, placement, max_rank)
+        t, dev, loss, per_token = _evaluate(cfg, batches, inputs, metric, placement)
         row = ComparisonRow(policy, setting, batch_size, t, dev, max(loss, 0.0), per_token)
         rows.append(row)
         return row
@@ -85,7 +100,7 @@ def compare_policies(
     add("vanilla", "-", None)
     for k0 in k0s:
         add("pruned", f"k0={k0}", oea.PrunedConfig(k0))
-        matched = add("oea", f"k0={k0}", oea.OEAConfig(k0, min_batch=1))
+        matched = add("oea", f"k0={k0}", oea.OEAConfig(k0, max_rank=max_rank, min_batch=1))
         add("ep-oea", f"k0={k0}", EPOEAConfig(k0, placement, min_batch=1))
         target = max(1, round(matched.mean_active_experts))
         add("budget", f"T={target}", BudgetConfig(target, min_batch=1))

@@ -104,7 +104,8 @@ def section_beyond(ctx: ReportContext) -> str:
     ]
     results: dict[str, Any] = {}
     k0s = (2, 3) if ctx.quick else (1, 2, 3, 4, 5, 6, 7)
-    for trace in _traces(ctx):
+    traces = _traces(ctx)
+    for trace in traces:
         layers = None if trace.num_layers <= 8 else list(range(0, trace.num_layers, trace.num_layers // 8))
         rows = compare_policies(trace, BATCH, k0s, EP, 2 if ctx.quick else 12, layers, seed=ctx.seed)
         front = {id(r) for r in pareto_front(rows, "max_device_active_experts")}
@@ -124,7 +125,7 @@ def section_beyond(ctx: ReportContext) -> str:
             "",
         ]
     lines += _matched_t_quality(ctx, results)
-    trace = _traces(ctx)[0]
+    trace = traces[0]
     table, adaptive = _adaptive_vs_fixed(ctx, trace)
     results["adaptive"] = adaptive
     lines += [
