@@ -20,7 +20,7 @@ import torch
 
 from oea.routing.policies import expert_union, register_policy
 from oea.routing.scores import RouterScores
-from oea.routing.spec import GROUP_FILLS, GroupFill, OEAConfig, RouterSpec
+from oea.routing.spec import GroupFill, OEAConfig, RouterSpec
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,8 +106,6 @@ class EPOEAConfig:
 
     def __post_init__(self) -> None:
         OEAConfig(self.k0, min_batch=self.min_batch, group_fill=self.group_fill)  # same field rules
-        if self.group_fill not in GROUP_FILLS:
-            raise ValueError(f"group_fill must be one of {GROUP_FILLS}, got {self.group_fill!r}")
         if self.boost_rank is not None and self.boost_rank < self.k0:
             raise ValueError(f"boost_rank must be >= k0, got boost_rank={self.boost_rank} and k0={self.k0}")
 
