@@ -11,13 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import oea  # noqa: E402
-from oea.integrations.transformers import (  # noqa: E402
-    TINY_FAMILIES,
-    OEAHandle,
-    attach,
-    find_moe_layers,
-    tiny_moe,
-)
+from oea.integrations.transformers import OEAHandle, attach, find_moe_layers  # noqa: E402
+from oea.models.testing import TINY_FAMILIES, tiny_moe  # noqa: E402
 from oea.routing import OEAConfig, PrunedConfig  # noqa: E402
 
 torch.set_num_threads(1)

@@ -8,13 +8,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import oea  # noqa: E402
-from oea.integrations.transformers import (  # noqa: E402
-    TINY_FAMILIES,
-    doctor_checks,
-    engine_version,
-    maybe_attach,
-    tiny_moe,
-)
+from oea.integrations.transformers import doctor_checks, engine_version, maybe_attach  # noqa: E402
+from oea.models.testing import TINY_FAMILIES, tiny_moe  # noqa: E402
 from oea.routing import LayerK0Schedule  # noqa: E402
 
 torch.set_num_threads(1)
