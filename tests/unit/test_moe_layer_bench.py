@@ -1,4 +1,4 @@
-"""``oea.bench.layer``: exact-T synthetic routings, statistics, the fit, memory planning, a tiny run."""
+"""``oea.bench.layer*``: exact-T synthetic routings, statistics, the fit, memory planning, a tiny run."""
 
 from __future__ import annotations
 
@@ -9,19 +9,12 @@ import pytest
 import torch
 
 import oea
-from oea.bench import layer
-from oea.bench.layer import (
-    LayerBenchConfig,
-    bootstrap_ci,
-    default_sweep,
-    fit_latency,
-    plan_weight_copies,
-    ratio_ci,
-    run_layer_bench,
-    synthetic_routing,
-    write_fit,
-)
+from oea.bench import layer, layer_inputs, layer_timing
+from oea.bench.layer import plan_weight_copies, run_layer_bench
+from oea.bench.layer_fit import fit_latency, write_fit
+from oea.bench.layer_inputs import LayerBenchConfig, default_sweep, synthetic_routing
 from oea.bench.moe_layer import MoEShape
+from oea.stats import median_interval, ratio_of_medians_interval
 
 TINY = MoEShape(num_experts=128, top_k=8, hidden_size=32, intermediate_size=16)
 
@@ -88,13 +81,13 @@ def test_bootstrap_ci_brackets_the_median_and_paired_ratio_is_tight():
     round_effect = rng.uniform(50, 150, 60)  # shared by both variants (same routing batch per round)
     base = round_effect * (1 + rng.normal(0, 0.01, 60))
     half = 0.5 * round_effect * (1 + rng.normal(0, 0.01, 60))
-    lo, hi = bootstrap_ci(base, rng)
+    lo, hi = median_interval(base, rng).bounds
     assert lo <= np.median(base) <= hi
-    r_lo, r_hi = ratio_ci(half, base, rng)
+    r_lo, r_hi = ratio_of_medians_interval(half, base, rng, paired=True).bounds
     assert r_lo <= np.median(half) / np.median(base) <= r_hi
     assert r_hi - r_lo < 0.15  # pairing cancels the round-to-round spread
     with pytest.raises(ValueError, match="paired"):
-        ratio_ci([1.0, 2.0], [1.0], rng)
+        ratio_of_medians_interval([1.0, 2.0], [1.0], rng, paired=True)
 
 
 def test_weight_copy_plan_and_the_memory_error_names_the_size():
@@ -141,10 +134,10 @@ def test_tiny_run_reports_contract_fields_and_oea_activates_fewer_experts():
 
 
 def test_id_only_trace_routes_oea_within_the_recorded_top_k():
-    cfg = layer._policy_cfg("oea", 3, 8, id_only=True)
+    cfg = layer_inputs._policy_cfg("oea", 3, 8, id_only=True)
     assert isinstance(cfg, oea.OEAConfig) and cfg.k0 == 3 and cfg.max_rank == 8
-    assert layer._policy_cfg("oea", 3, 8, id_only=False).max_rank is None
-    assert layer._policy_cfg("vanilla", None, 8, id_only=True) is None
+    assert layer_inputs._policy_cfg("oea", 3, 8, id_only=False).max_rank is None
+    assert layer_inputs._policy_cfg("vanilla", None, 8, id_only=True) is None
 
 
 def test_bad_configs_are_rejected_with_the_allowed_values():
@@ -208,16 +201,16 @@ def test_measure_interleaves_variants_round_robin_and_pairs_batches(monkeypatch)
 
     gen = torch.Generator().manual_seed(0)
     shape = MoEShape(16, 2, 8, 4)
-    variants = layer.sweep_variants(shape, 4, [2, 4, 8], num_batches=2, generator=gen)
+    variants = layer_inputs.sweep_variants(shape, 4, [2, 4, 8], num_batches=2, generator=gen)
     order: list[tuple[str, int]] = []
 
     def fake_time(self, fn):
         order.append((fn.variant.label, id(fn.experts)))
         return 1e-3
 
-    monkeypatch.setattr(layer._CpuTimer, "time", fake_time)
+    monkeypatch.setattr(layer_timing._CpuTimer, "time", fake_time)
     copies = [init_weights(shape, torch.float32, seed=s) for s in range(2)]
-    samples = layer.measure(variants, copies, [torch.randn(4, 8)], "loop", "cpu", repeats=3, warmup=1)
+    samples = layer_timing.measure(variants, copies, [torch.randn(4, 8)], "loop", "cpu", repeats=3, warmup=1)
     labels = [label for label, _ in order]
     assert labels == ["T=2", "T=4", "T=8", "T=4", "T=8", "T=2", "T=8", "T=2", "T=4", "T=2", "T=4", "T=8"]
     assert [id(c) for c in copies] * 6 == [experts for _, experts in order]  # weight copies rotate per call

@@ -1,16 +1,82 @@
-"""``oea bench layer``: parser only; the work happens in ``oea.bench.layer``."""
+"""``oea bench layer``: the parser and its handler; the measurement lives in ``oea.bench.layer``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import pathlib
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oea.bench.layer_inputs import LayerBenchConfig
 
 DEFAULT_FIT = "cpu-preset"  # resolved to oea.sim.presets.CPU_FIT_PATH by the handler
 
 
-def _layer(args: argparse.Namespace) -> int:
-    from oea.bench.layer import main
+def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
+    """``argparse.Namespace`` of ``oea bench layer`` -> ``LayerBenchConfig``."""
+    from oea.bench.layer_inputs import LayerBenchConfig
 
-    return main(args)
+    return LayerBenchConfig(
+        preset=args.preset, batch_size=args.batch_size, k0s=tuple(args.k0), policies=tuple(args.policies),
+        trace=args.trace, repeats=args.repeats, warmup=args.warmup, threads=args.threads, device=args.device,
+        dtype=args.dtype, t_sweep=None if args.t_sweep is None else tuple(args.t_sweep), seed=args.seed,
+        impl=args.impl, tp=args.tp, weight_copies=args.weight_copies,
+    )
+
+
+def _layer(args: argparse.Namespace) -> int:
+    """Handler of ``oea bench layer``."""
+    from oea.bench.layer import run_layer_bench
+    from oea.bench.layer_fit import write_fit
+    from oea.bench.layer_output import plot_result, render_table
+
+    config = config_from_args(args)
+    quiet = args.json
+    progress = None
+    if not quiet:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+
+        def progress(done: int, total: int) -> None:
+            if done == total or done % max(1, total // 10) == 0:
+                console.print(f"  round {done}/{total}", highlight=False)
+
+    launcher = pathlib.Path(sys.argv[0])
+    from_shell = (launcher.name == "oea" or (launcher.name == "__main__.py" and launcher.parent.name == "oea")) and (
+        sys.argv[1:3] == ["bench", "layer"])
+    if config.device == "cpu" and config.threads > 1 and "OMP_WAIT_POLICY" not in os.environ:
+        # Spinning OpenMP workers on a shared 2-core machine measure the scheduler, not the layer
+        # (several times slower, docs/benchmarks.md); libgomp reads the policy only at start-up.
+        if from_shell:
+            print("oea bench layer: re-running with OMP_WAIT_POLICY=PASSIVE (set it to choose otherwise)",
+                  file=sys.stderr)
+            sys.stderr.flush()
+            os.execve(sys.executable, [sys.executable, "-m", "oea", *sys.argv[1:]],
+                      {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        print("oea bench layer: note: OMP_WAIT_POLICY is unset, so OpenMP threads spin while they wait; "
+              "on a shared machine set OMP_WAIT_POLICY=PASSIVE before Python starts", file=sys.stderr)
+    result = run_layer_bench(config, progress)
+    result["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    result["command"] = " ".join(["oea", *sys.argv[1:]]) if from_shell else "oea bench layer (called in-process)"
+    if args.plot:
+        result["plot"] = str(plot_result(result, args.plot))
+    if args.write_fit:
+        from oea.sim.presets import CPU_FIT_PATH
+
+        target = CPU_FIT_PATH if args.write_fit == DEFAULT_FIT else args.write_fit
+        result["fit_file"] = str(write_fit(result, target))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        render_table(result)
+        for key in ("plot", "fit_file"):
+            if key in result:
+                print(f"wrote {result[key]}")
+    return 0
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
