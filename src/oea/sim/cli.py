@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from oea.console import wide_console
+
 
 @contextlib.contextmanager
 def _progress_bar(description: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
@@ -24,14 +26,6 @@ def _progress_bar(description: str, enabled: bool) -> Iterator[Callable[[int, in
     task = progress.add_task(description, total=None)
     with progress:
         yield lambda done, total: progress.update(task, completed=done, total=total)
-
-
-def wide_console():
-    """A rich console; when output is not a terminal, wide enough that tables do not wrap."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
 
 
 def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:

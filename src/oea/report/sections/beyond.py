@@ -1,10 +1,10 @@
-"""The report's "beyond the paper" section: every policy at matched T, under EP = 8, and adaptive k0."""
+"""Report section 7, beyond the paper: every policy at matched T, under EP = 8, and adaptive k0 (``oea.tuning``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from oea.report.build import ReportContext, md_table
+from oea.report.context import ReportContext, md_table
 
 EP = 8
 BATCH = 16
