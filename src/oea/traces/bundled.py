@@ -26,8 +26,9 @@ def bundled_trace_path(name: str) -> pathlib.Path:
 def load_trace(name_or_path: str | pathlib.Path) -> Trace:
     """Load a bundled trace by name, or a trace file by path (``.safetensors``, its ``.json``, or stem).
 
-    Raises ``ValueError`` listing the bundled names when ``name_or_path`` is neither, and
-    ``ValueError`` naming the file and field when a file's shapes disagree with its metadata.
+    Raises ``FileNotFoundError`` when a path (a name with a directory or a ``.safetensors`` / ``.json``
+    suffix) does not exist, ``ValueError`` listing the bundled names when a bare name is not bundled,
+    and ``ValueError`` naming the file, field and row when a file is malformed (``oea.traces.checks``).
     """
     text = str(name_or_path)
     if isinstance(name_or_path, str) and text in bundled_trace_names():
@@ -36,5 +37,7 @@ def load_trace(name_or_path: str | pathlib.Path) -> Trace:
     candidates = (path, path.with_suffix(".safetensors")) if path.suffix != ".safetensors" else (path,)
     if any(c.is_file() for c in candidates):
         return read_trace_file(path)
+    if path.suffix in (".safetensors", ".json") or len(path.parts) > 1:
+        raise FileNotFoundError(f"trace file does not exist: {text} (bundled traces: {bundled_trace_names()})")
     raise ValueError(f"trace must be one of the bundled traces {bundled_trace_names()} or a path to a "
                      f".safetensors trace file, got {text!r}")

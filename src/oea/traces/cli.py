@@ -1,14 +1,25 @@
-"""``oea traces`` (list / show bundled traces) and ``oea capture`` (record a trace from a model)."""
+"""``oea traces`` (list, show, import traces) and ``oea capture`` (record a trace from a model)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+IMPORT_OPTIONS = ("out", "num_experts", "top_k", "scoring", "trace_name", "model", "model_preset", "source",
+                  "licence")
+
 
 def _traces(args: argparse.Namespace) -> int:
     from oea.traces import bundled_trace_names, load_trace
+    from oea.traces.checks import ordering_status
 
+    if args.name == "import":
+        return _import(args)
+    given = [name for name in IMPORT_OPTIONS if getattr(args, name) is not None]
+    if given or args.file is not None or args.sort_by_scores or args.no_renormalize:
+        flags = ", ".join("--" + ("name" if n == "trace_name" else n.replace("_", "-")) for n in given)
+        raise ValueError(f"{flags or 'a second positional argument'} only applies to `oea traces import FILE ...`; "
+                         f"`oea traces [NAME]` lists or shows traces")
     names = [args.name] if args.name else bundled_trace_names()
     rows = []
     for name in names:
@@ -20,7 +31,7 @@ def _traces(args: argparse.Namespace) -> int:
             "content": content,
             "request_ids": trace.request_ids is not None, "model": trace.meta.get("model"),
             "licence": trace.meta.get("licence"), "source": trace.meta.get("source"),
-            "notes": trace.meta.get("notes"),
+            "notes": trace.meta.get("notes"), "order": ordering_status(trace),
         })
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -43,8 +54,50 @@ def _traces(args: argparse.Namespace) -> int:
         console.print(f"model: {rows[0]['model']}")
         console.print(f"source: {rows[0]['source']}")
         console.print(f"licence: {rows[0]['licence']}")
+        console.print(f"best-first order: {rows[0]['order']}")
         for note in rows[0]["notes"] or []:
             console.print(f"- {note}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from oea.traces.format import save_trace
+    from oea.traces.importer import import_trace, summary
+
+    for flag, value in (("FILE (the input, after `import`)", args.file), ("--out", args.out),
+                        ("--num-experts", args.num_experts), ("--top-k", args.top_k)):
+        if value is None:
+            raise ValueError(f"`oea traces import` needs {flag}: oea traces import FILE --out OUT.safetensors "
+                             f"--num-experts N --top-k K")
+    out = pathlib.Path(args.out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out must name a .safetensors file (its .json sidecar is written beside it), got {out}")
+    meta = {key: getattr(args, key) for key in ("model", "model_preset", "source", "licence")
+            if getattr(args, key) is not None}
+    if args.model_preset is not None:
+        from oea.sim.presets import get_model_preset
+
+        get_model_preset(args.model_preset)
+    trace = import_trace(args.file, args.num_experts, args.top_k, scoring=args.scoring or "softmax",
+                         renormalize=not args.no_renormalize, name=args.trace_name,
+                         sort_by_scores=args.sort_by_scores, meta=meta)
+    try:
+        written = save_trace(trace, out)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot write ({err})") from None
+    from oea.traces.format import read_trace_file, sidecar_path
+
+    read_trace_file(written)  # the file as every other command will load it
+    record = summary(trace, [written, sidecar_path(written)])
+    if args.json:
+        print(json.dumps(record, indent=1))
+        return 0
+    print(f"wrote {record['out']} and {record['sidecar']}: {record['num_tokens']} tokens × {record['num_layers']} "
+          f"layers, {record['num_experts']} experts, top-{record['top_k']}, tensors {record['tensors']}")
+    for note in record["notes"]:
+        print(f"- {note}")
     return 0
 
 
@@ -55,9 +108,31 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("traces", help="list the bundled routing traces (or show one)")
-    p.add_argument("name", nargs="?", default=None, help="a bundled trace name or trace file")
-    p.add_argument("--json", action="store_true")
+    p = commands.add_parser(
+        "traces", help="list the bundled routing traces, show one, or import your own (`oea traces import`)",
+        usage="oea traces [NAME] [--json]\n       oea traces import FILE --out OUT.safetensors --num-experts N "
+              "--top-k K [--scoring softmax|sigmoid] [--name NAME] [--json] ...",
+        description="List the bundled traces, show one (NAME: bundled name or trace file), or import routing "
+                    "arrays (.npz, .npy, .jsonl, .csv; layouts in docs/traces.md) into a validated oea-trace.",
+    )
+    p.add_argument("name", nargs="?", default=None, help="a bundled trace name or trace file, or `import`")
+    p.add_argument("file", nargs="?", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    g = p.add_argument_group("oea traces import FILE", "convert FILE (.npz, .npy, .jsonl, .csv) to an oea-trace")
+    g.add_argument("--out", default=None, help="trace file to write (.safetensors; the .json sidecar goes beside it)")
+    g.add_argument("--num-experts", type=int, default=None, metavar="N", help="routed experts per MoE layer")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="experts per token (ids per row)")
+    g.add_argument("--scoring", choices=["softmax", "sigmoid"], default=None,
+                   help="router family stored in the spec (default: softmax)")
+    g.add_argument("--no-renormalize", action="store_true",
+                   help="the router does not renormalise the top-k weights (spec.renormalize = false)")
+    g.add_argument("--name", dest="trace_name", default=None, help="trace name (default: FILE's stem)")
+    g.add_argument("--sort-by-scores", action="store_true",
+                   help="reorder each row by descending score (inputs not stored best first)")
+    g.add_argument("--model", default=None, help="model name stored in the sidecar")
+    g.add_argument("--model-preset", default=None, help="built-in model preset for latency (see `oea presets`)")
+    g.add_argument("--source", default=None, help="where the data comes from (sidecar 'source')")
+    g.add_argument("--licence", default=None, help="licence of the data (sidecar 'licence')")
     p.set_defaults(handler=_traces)
 
     c = commands.add_parser("capture", help="record a routing trace (full router logits) during real decode")

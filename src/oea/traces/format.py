@@ -14,7 +14,10 @@ Tensors (every one optional except that ``logits`` or ``ids`` must be present):
 The JSON sidecar holds ``format`` (``"oea-trace"``), ``version``, ``num_tokens``, ``num_layers``, the
 router ``spec`` (num_experts, top_k, scoring, renormalize, n_group, topk_group,
 routed_scaling_factor), and the provenance: ``source``, ``licence``, ``model``, ``notes`` (and any
-other keys, kept in ``Trace.meta``).
+other keys, kept in ``Trace.meta``); ``docs/traces.md`` lists every field and its allowed values.
+
+Every trace built or loaded is checked row by row (``oea.traces.checks``): duplicate or out-of-range
+ids, float ids, non-finite, negative or unordered scores are errors naming the file, field and row.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from typing import Any
 import torch
 
 from oea.routing import RouterSpec
+from oea.traces.checks import check_contents, check_integer, check_sidecar
 
 FORMAT_NAME = "oea-trace"
 FORMAT_VERSION = 1
 _SPEC_FIELDS = ("num_experts", "top_k", "scoring", "renormalize", "n_group", "topk_group",
                 "routed_scaling_factor")
 _TENSOR_NAMES = ("logits", "ids", "scores", "request_ids", "positions", "correction_bias")
+_INTEGER_NAMES = ("ids", "request_ids", "positions")
 
 
 @dataclass
@@ -60,7 +65,15 @@ class Trace:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in _TENSOR_NAMES:  # numpy arrays and nested lists are welcome
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                setattr(self, name, torch.as_tensor(value))
         validate(self, where="Trace")
+        for name in _INTEGER_NAMES:  # int64: what torch indexing ops need
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.long())
 
     @property
     def num_tokens(self) -> int:
@@ -95,13 +108,34 @@ class Trace:
         return replace(self.spec, correction_bias=self.correction_bias[layer].float())
 
 
+def make_trace(where: str, spec: RouterSpec, meta: dict[str, Any] | None = None,
+               **tensors: torch.Tensor | None) -> Trace:
+    """A ``Trace`` validated with errors naming ``where`` (the file it comes from) instead of ``"Trace"``.
+
+    ``tensors`` are the ``Trace`` tensor fields (``logits``, ``ids``, ...), already torch tensors.
+    """
+    unknown = sorted(set(tensors) - set(_TENSOR_NAMES))
+    if unknown:
+        raise TypeError(f"unknown trace tensors {unknown}; allowed: {list(_TENSOR_NAMES)}")
+    trace = Trace.__new__(Trace)
+    trace.spec, trace.meta = spec, dict(meta or {})
+    for name in _TENSOR_NAMES:
+        setattr(trace, name, tensors.get(name))
+    validate(trace, where=where)
+    for name in _INTEGER_NAMES:
+        value = getattr(trace, name)
+        if value is not None:
+            setattr(trace, name, value.long())
+    return trace
+
+
 def _fail(where: str, field_name: str, message: str) -> None:
     raise ValueError(f"{where}: field {field_name!r}: {message}")
 
 
 def validate(trace: Trace, where: str) -> None:
-    """Check every tensor's shape and dtype against the spec; raises ``ValueError`` naming ``where``
-    (a file or ``"Trace"``) and the field."""
+    """Check every tensor's shape and dtype against the spec, then every row (``oea.traces.checks``);
+    raises ``ValueError`` naming ``where`` (a file or ``"Trace"``), the field and the first bad row."""
     if trace.logits is None and trace.ids is None:
         _fail(where, "logits/ids", "a trace needs full logits or top-k ids, got neither")
     spec = trace.spec
@@ -127,12 +161,6 @@ def validate(trace: Trace, where: str) -> None:
         if tuple(tensor.shape) != (t, layers, spec.top_k):
             _fail(where, name,
                   f"expected shape [T={t}, L={layers}, k={spec.top_k}], got {tuple(tensor.shape)}")
-    if trace.ids is not None:
-        if trace.ids.is_floating_point():
-            _fail(where, "ids", f"must be an integer tensor, got {trace.ids.dtype}")
-        if trace.ids.numel() and (int(trace.ids.min()) < 0 or int(trace.ids.max()) >= spec.num_experts):
-            _fail(where, "ids", f"ids must lie in 0..{spec.num_experts - 1}, got "
-                  f"{int(trace.ids.min())}..{int(trace.ids.max())}")
     if trace.scores is not None and trace.ids is None:
         _fail(where, "scores", "scores need the ids they belong to")
     for name in ("request_ids", "positions"):
@@ -142,6 +170,7 @@ def validate(trace: Trace, where: str) -> None:
     if trace.correction_bias is not None and tuple(trace.correction_bias.shape) != (layers, spec.num_experts):
         _fail(where, "correction_bias", f"expected shape [L={layers}, N={spec.num_experts}], "
               f"got {tuple(trace.correction_bias.shape)}")
+    check_contents(trace, where)
 
 
 def spec_to_json(spec: RouterSpec) -> dict[str, Any]:
@@ -222,9 +251,11 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
     if path.suffix in (".json", ""):
         path = path.with_suffix(".safetensors")
     meta_path = sidecar_path(path)
-    for required in (path, meta_path):
-        if not required.is_file():
-            raise FileNotFoundError(f"trace file not found: {required}")
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file does not exist: {path}")
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"trace sidecar does not exist: {meta_path} (every {path.name} needs its JSON "
+                                f"sidecar; `oea traces import` writes both)")
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as err:
@@ -237,6 +268,7 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
             f"{meta_path}: field 'version' must be {FORMAT_VERSION}, got {meta.get('version')!r}"
         )
     spec = spec_from_json(meta.get("spec"), str(meta_path))
+    check_sidecar(meta, str(meta_path))
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as err:
@@ -255,16 +287,18 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
     def as_long(name: str) -> torch.Tensor | None:
         return tensors[name].long() if name in tensors else None
 
+    for name in _INTEGER_NAMES:  # before the int64 conversion below would truncate float ids
+        if name in tensors:
+            check_integer(tensors[name], str(path), name)
     trace_meta = {k: v for k, v in meta.items()
                   if k not in ("format", "version", "num_tokens", "num_layers", "spec", "tensors")}
     trace_meta.setdefault("name", path.stem)
     trace_meta["path"] = str(path)
-    trace = Trace.__new__(Trace)
-    trace.spec, trace.meta = spec, trace_meta
-    trace.logits, trace.ids, trace.scores = as_float("logits"), as_long("ids"), as_float("scores")
-    trace.request_ids, trace.positions = as_long("request_ids"), as_long("positions")
-    trace.correction_bias = as_float("correction_bias")
-    validate(trace, where=str(path))
+    trace = make_trace(
+        str(path), spec, logits=as_float("logits"), ids=as_long("ids"), scores=as_float("scores"),
+        request_ids=as_long("request_ids"), positions=as_long("positions"),
+        correction_bias=as_float("correction_bias"), meta=trace_meta,
+    )
     for name, actual in (("num_tokens", trace.num_tokens), ("num_layers", trace.num_layers)):
         if meta.get(name) != actual:
             raise ValueError(f"{meta_path}: field {name!r} is {meta.get(name)!r} but the tensors in "
