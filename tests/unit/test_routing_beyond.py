@@ -37,29 +37,53 @@ def batches(draw: st.DrawFn):
     return logits, oea.RouterSpec(n, k), draw(st.integers(1, k)), draw(st.sampled_from([2, 4, 8]))
 
 
-def ep_reference(logits, spec, k0, placement):
-    """Literal EP-aware OEA: per-device slack filled by the most wanted new experts."""
+def ep_reference(logits, spec, k0, placement, valid=None):
+    """Literal EP-aware OEA: per-device slack filled by the most wanted new experts.
+
+    Reads the placement only through ``device_of_expert`` (any expert -> device map); padding rows
+    (``valid`` False) neither join the union nor add demand, and keep their own top-k.
+    """
     probs = torch.softmax(logits.double(), -1)
     m, n = probs.shape
+    real = [True] * m if valid is None else valid.tolist()
     ranking = [sorted(range(n), key=lambda e, p=probs[i]: -float(p[e])) for i in range(m)]
-    union = {e for r in ranking for e in r[:k0]}
+    union = {e for i, r in enumerate(ranking) if real[i] for e in r[:k0]}
     device = placement.device_of_expert.tolist()
     counts = [sum(1 for e in union if device[e] == d) for d in range(placement.num_devices)]
     demand: dict[int, float] = {}
     for i, r in enumerate(ranking):
         for e in r[k0 : spec.top_k]:
-            if e not in union:
+            if real[i] and e not in union:
                 demand[e] = demand.get(e, 0.0) + float(probs[i, e])
     enlarged = set(union)
     for d in range(placement.num_devices):
         mine = sorted((e for e in demand if device[e] == d), key=lambda e: -demand[e])
         enlarged.update(mine[: max(counts) - counts[d]])
     out = []
-    for r in ranking:
+    for i, r in enumerate(ranking):
+        if not real[i]:
+            out.append(set(r[: spec.top_k]))
+            continue
         chosen = r[:k0]
         chosen += [e for e in r[k0:] if e in enlarged][: spec.top_k - k0]
         out.append(set(chosen))
     return out, max(counts)
+
+
+@st.composite
+def placements(draw: st.DrawFn, num_experts: int) -> ExpertPlacement:
+    """Non-contiguous, possibly uneven placements: a random expert -> device map, every device used."""
+    num_devices = draw(st.sampled_from([2, 3, 4, 8]))
+    order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1))))
+    device = torch.zeros(num_experts, dtype=torch.int64)
+    cuts = sorted(draw(st.lists(st.integers(1, num_experts - 1), min_size=num_devices - 1,
+                                max_size=num_devices - 1, unique=True)))
+    for d, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, num_experts], strict=True)):
+        device[order[lo:hi]] = d
+    if draw(st.booleans()):  # the same map built the EPLB way, from each device's expert list
+        return ExpertPlacement.from_devices([torch.nonzero(device == d).flatten().tolist()
+                                             for d in range(num_devices)], num_experts)
+    return ExpertPlacement(device, num_devices)
 
 
 @settings(max_examples=60, deadline=None)
@@ -77,6 +101,21 @@ def test_ep_aware_oea_matches_literal_version_and_never_slows_the_busiest_device
     mass = (probs.gather(1, ids) * (w != 0)).sum(-1)
     plain_mass = (probs.gather(1, plain_ids) * (plain_w != 0)).sum(-1)
     assert bool((mass >= plain_mass - 1e-6).all())  # every token keeps at least plain OEA's router mass
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.data())
+def test_ep_aware_oea_follows_a_non_contiguous_placement(case, data):
+    logits, spec, k0, _ = case
+    placement = data.draw(placements(spec.num_experts))
+    m = logits.shape[0]
+    valid = None
+    if data.draw(st.booleans()):  # several padding rows, at least one real row
+        valid = torch.arange(m) % 3 != 2
+    ids, w = oea.route(logits, spec, EPOEAConfig(k0, placement, min_batch=0), valid)
+    want, busiest = ep_reference(logits, spec, k0, placement, valid)
+    assert chosen_sets(ids, w) == want
+    assert int(max_device_active_experts(ids, w, placement, valid)) == busiest
 
 
 @settings(max_examples=60, deadline=None)

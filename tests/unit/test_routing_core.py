@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -95,6 +96,57 @@ def test_vanilla_and_pruned_equal_reference(case):
     assert_matches_reference(logits, spec, oea.PrunedConfig(cfg.k0), valid)
 
 
+@settings(max_examples=60, deadline=None)
+@given(routing_cases(), st.sampled_from([None, True, False]))
+def test_pruned_renormalize_override_equals_reference(case, renormalize):
+    logits, spec, cfg, valid = case
+    assert_matches_reference(logits, spec, oea.PrunedConfig(cfg.k0, renormalize=renormalize), valid)
+
+
+def test_pruned_without_renormalising_on_a_renormalising_router():
+    spec = oea.RouterSpec(32, 8, renormalize=True)
+    logits = distinct_logits(6, 32, seed=4)
+    valid = torch.tensor([True, True, False, True, False, True])
+    ids, w = oea.route(logits, spec, oea.PrunedConfig(3, renormalize=False), valid)
+    probs = torch.softmax(logits, -1)
+    top3 = probs.topk(3, dim=-1)
+    for i in range(6):
+        if valid[i]:  # raw probabilities of the own top-3, which sum to less than 1
+            assert ids[i, :3].tolist() == top3.indices[i].tolist()
+            torch.testing.assert_close(w[i, :3], top3.values[i])
+            assert torch.equal(w[i, 3:], torch.zeros(5)) and float(w[i].sum()) < 0.99
+        else:  # padding rows keep the router's own (renormalised) routing
+            top8 = probs[i].topk(8)
+            assert ids[i].tolist() == top8.indices.tolist()
+            torch.testing.assert_close(w[i], top8.values / top8.values.sum())
+    _, w_all = oea.route(logits, spec, oea.PrunedConfig(3, renormalize=False))
+    torch.testing.assert_close(w_all[:, :3], top3.values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routing_cases(), st.integers(0, 4), st.booleans())
+def test_exactly_min_batch_real_rows_are_rerouted(case, min_batch, padded):
+    """A batch of exactly ``min_batch`` real rows (with or without padding rows) is rerouted; one
+    real row fewer keeps every row vanilla."""
+    _, spec, cfg, _ = case
+    n = spec.num_experts
+    real = distinct_logits(max(min_batch, 1), n, seed=min_batch + n)
+    pad = distinct_logits(3, n, seed=min_batch + n + 1)
+    cfg = oea.OEAConfig(cfg.k0, min_batch=min_batch, group_fill=cfg.group_fill)
+    for rows in (real[:min_batch], real[: max(min_batch - 1, 0)]):
+        if rows.shape[0] == 0:
+            continue
+        batch, valid = rows, None
+        if padded:
+            batch = torch.cat([rows, pad])
+            valid = torch.arange(batch.shape[0]) < rows.shape[0]
+        assert_matches_reference(batch, spec, cfg, valid)
+    if min_batch >= 1:  # exactly min_batch rows: routed as if there were no min_batch at all
+        always = dataclasses.replace(cfg, min_batch=0)
+        got, want = oea.route(real[:min_batch], spec, cfg), oea.route(real[:min_batch], spec, always)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @settings(max_examples=150, deadline=None)
 @given(routing_cases())
 def test_output_contract(case):
@@ -115,9 +167,9 @@ def test_output_contract(case):
     for i in range(m):
         chosen = [int(e) for e, w in zip(ids[i], weights[i], strict=True) if w != 0]
         assert len(chosen) == len(set(chosen)), f"row {i}: duplicate with non-zero weight"
-        for slot in range(k):  # fillers repeat one of the row's own experts with weight exactly 0
+        for slot in range(k):  # fillers repeat one of the row's own non-filler experts, weight exactly 0
             if weights[i, slot] == 0:
-                assert int(ids[i, slot]) in set(ids[i].tolist())
+                assert int(ids[i, slot]) in chosen, f"row {i} slot {slot}: filler {int(ids[i, slot])} not in {chosen}"
         if not (applied and rows_valid[i]):
             assert chosen == [int(e) for e, w in zip(vanilla_ids[i], vanilla_w[i], strict=True) if w != 0]
             continue

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import oea.integrations.vllm as plugin
-from oea.config import settings_from_env
 from oea.routing import OEAConfig, RouterSpec, active_experts, route
 
 torch.set_num_threads(1)
@@ -116,12 +115,30 @@ def test_bad_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, var
         plugin.register() if var != "OEA_METRICS_FLUSH_S" else plugin._flush_interval()
 
 
-def test_k0_above_top_k_is_rejected_naming_the_variable() -> None:
-    from oea.config import check_k0_against
+class _MoELayer(torch.nn.Module):
+    def __init__(self, router: object) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 64, bias=False)
+        self.router = router
 
-    settings = settings_from_env({"OEA_K0": "9"})
-    with pytest.raises(ValueError, match=r"OEA_K0 must be in 1\.\.8"):
-        check_k0_against(settings.oea, 8, "OEA_K0")
+
+@pytest.mark.parametrize("variable", ["OEA_K0", "SGLANG_OEA_K0"])
+def test_k0_above_top_k_is_rejected_naming_the_variable(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """``Worker.load_model``'s hook checks k0 against every router of the loaded model (vLLM stand-ins)."""
+    from vllm_stand_ins import CPURouter, fresh_state, install_vllm
+
+    install_vllm(monkeypatch)
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(_MoELayer(CPURouter(top_k=8)), _MoELayer(CPURouter(top_k=4)))
+
+    fresh_state(monkeypatch, {variable: "6"})
+    with pytest.raises(ValueError, match=rf"^{variable} must be in 1\.\.4 \(the model's top_k\), got 6$"):
+        plugin._after_load(model())
+    state = fresh_state(monkeypatch, {variable: "4"})
+    plugin._after_load(model())  # fits every router: numbered, specs kept, decode flag allocated
+    assert [r._oea_router_id for r in state.routers] == [0, 1] and all(s is not None for s in state.specs)
+    assert state.decode_flag is not None and not bool(state.decode_flag)
 
 
 def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:

@@ -31,10 +31,12 @@ Extra variables read here: ``OEA_TIMING=1`` (time each routing call in the worke
 Metrics file (``OEA_METRICS_FILE``, JSONL, appended by the worker): one line per engine step::
 
     {"pid", "step", "time", "decode", "oea", "rows", "layers", "active": [T per layer],
-     "active_stock": [T per layer] (mode oea, decode steps), "routing_us": [per layer] (OEA_TIMING)}
+     "active_stock": [T per layer] (mode oea), "routing_us": [per layer] (OEA_TIMING)}
 
-``active`` counts the distinct experts with non-zero weight over the step's real (non-padding)
-rows in each MoE layer; ``active_stock`` is the same count for vLLM's own routing of the same logits.
+``oea`` is true when OEA rewrote the routing of every layer in the step; ``active`` counts the distinct
+experts with non-zero weight over the step's real (non-padding) rows in each MoE layer; ``active_stock``
+is the same count for vLLM's own routing of the same logits (equal to ``active`` in the steps OEA leaves
+alone: prefill, batches below ``min_batch``).
 """
 
 from __future__ import annotations
@@ -355,7 +357,7 @@ def _begin_step(scheduler_output: Any) -> None:
         _STATE.decode_flag.fill_(decode)
     _STATE.step += 1
     if _STATE.metrics is not None:
-        _STATE.record = _StepRecord(decode=decode, oea=decode and _STATE.mode == "oea")
+        _STATE.record = _StepRecord(decode=decode, oea=_STATE.mode == "oea")  # cleared by any stock layer
 
 
 def _end_step() -> None:
@@ -671,7 +673,7 @@ def _cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, st
         record.rows = rows if valid is None else int(valid.sum())
         record.oea = record.oea and rewrite
         record.active[router_id] = active_experts(ids, weights, valid)
-        if rewrite:
+        if cfg is not None:  # counted from vLLM's own output on every step, so a wrongly rewritten step shows
             record.active_stock[router_id] = active_experts(stock_ids, stock_weights, valid)
         if _STATE.timing:
             record.routing_us[router_id] = elapsed_us

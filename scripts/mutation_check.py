@@ -1,0 +1,143 @@
+"""Check that the test suite notices realistic one-line bugs (mutation check).
+
+Each mutation in the catalogue (``scripts/mutations.toml``) replaces one exact snippet of one file
+under ``src/`` in a scratch copy of ``src`` (never in the working tree), runs the tests it names with
+``PYTHONPATH`` pointing at the copy (which wins over the editable install, also in subprocesses and
+in the engine venvs' servers), and reports whether a test failed ("killed") or not ("SURVIVED").
+
+    .venv/bin/python scripts/mutation_check.py --list
+    .venv/bin/python scripts/mutation_check.py                      # every mutation (long)
+    .venv/bin/python scripts/mutation_check.py --only sim-mixed-with-replacement eval-se-over-batches
+    .venv/bin/python scripts/mutation_check.py --fast                # only tests outside slow/engine
+
+Exit status: 0 when every mutation run was killed, 1 otherwise. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    sys.exit("scripts/mutation_check.py needs Python >= 3.11 (tomllib)")
+
+ROOT = Path(__file__).resolve().parents[1]
+CATALOGUE = ROOT / "scripts" / "mutations.toml"
+FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    file: str  # relative to src/
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    marks: str  # pytest -m expression ("" = every test named)
+    why: str
+
+
+def load_catalogue(path: Path) -> list[Mutation]:
+    """Read the TOML catalogue; raises ``ValueError`` naming a malformed entry."""
+    data = tomllib.loads(path.read_text())
+    mutations = []
+    for entry in data.get("mutation", []):
+        missing = sorted({"id", "file", "old", "new", "tests"} - set(entry))
+        if missing:
+            raise ValueError(f"{path}: mutation {entry.get('id', '?')!r} lacks fields {missing}")
+        mutations.append(Mutation(entry["id"], entry["file"], entry["old"], entry["new"], tuple(entry["tests"]),
+                                  entry.get("marks", "not slow and not engine"), entry.get("why", "")))
+    ids = [m.id for m in mutations]
+    duplicated = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicated:
+        raise ValueError(f"{path}: duplicated mutation ids {duplicated}")
+    return mutations
+
+
+def apply(mutation: Mutation, src: Path) -> str | None:
+    """Apply ``mutation`` to the copy at ``src``; the reason it cannot be applied, or None."""
+    target = src / mutation.file
+    if not target.is_file():
+        return f"{mutation.file} not found"
+    text = target.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        return f"the snippet occurs {count} times in {mutation.file} (must be exactly once)"
+    target.write_text(text.replace(mutation.old, mutation.new))
+    return None
+
+
+def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, str, float]:
+    """(status, detail, seconds): status is killed, SURVIVED, error or not-applied."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="oea-mutant-") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        reason = apply(mutation, src)
+        if reason is not None:
+            return "not-applied", reason, 0.0
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        probe = subprocess.run([python, "-c", "import oea; print(oea.__file__)"], env=env, cwd=ROOT,
+                               capture_output=True, text=True)
+        if not probe.stdout.strip().startswith(str(src)):
+            return "error", f"the mutant is not the imported oea: {probe.stdout.strip()} {probe.stderr[-300:]}", 0.0
+        command = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests]
+        if mutation.marks:
+            command += ["-m", mutation.marks]
+        try:
+            proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "error", f"timed out after {timeout:.0f} s", time.monotonic() - started
+    seconds = time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    failed = [m.group(2) for line in output.splitlines() if (m := FAILED_LINE.match(line))]
+    if proc.returncode == 0:
+        return "SURVIVED", "all tests passed", seconds
+    if proc.returncode == 1 and failed:
+        return "killed", failed[0], seconds
+    tail = output.strip().splitlines()[-3:]
+    return "error", f"pytest exit {proc.returncode}: {' | '.join(tail)}", seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--catalogue", type=Path, default=CATALOGUE, help="TOML file of mutations")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutation ids")
+    parser.add_argument("--fast", action="store_true", help="only mutations whose tests exclude slow/engine ones")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter for pytest")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation run")
+    args = parser.parse_args(argv)
+    mutations = load_catalogue(args.catalogue)
+    if args.only:
+        unknown = sorted(set(args.only) - {m.id for m in mutations})
+        if unknown:
+            parser.error(f"--only names unknown mutation ids {unknown}; see --list")
+        mutations = [m for m in mutations if m.id in args.only]
+    if args.fast:
+        mutations = [m for m in mutations if m.marks == "not slow and not engine"]
+    if args.list:
+        for m in mutations:
+            print(f"{m.id:40s} {m.file:36s} {' '.join(m.tests)}")
+        return 0
+    survivors = 0
+    for m in mutations:
+        status, detail, seconds = run(m, args.python, args.timeout)
+        survivors += status != "killed"
+        print(f"{status:11s} {m.id:40s} {seconds:6.1f} s  {detail}", flush=True)
+    print(f"{len(mutations) - survivors}/{len(mutations)} mutations killed")
+    return 0 if survivors == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The vLLM plugin step by step, with stand-ins for vLLM's forward context and numba (no vLLM needed):
+which steps it reroutes, which rows count, and what it hands back to vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_stand_ins import (
+    CPURouter,
+    dense,
+    fresh_state,
+    install_python_numba,
+    install_vllm,
+    scheduler_output,
+)
+
+import oea.integrations.vllm as plugin
+from oea.routing import OEAConfig, route
+
+torch.set_num_threads(1)
+N, K = 64, 8
+
+
+def _logits(rows: int, seed: int) -> torch.Tensor:
+    """Tie-free logits (a random permutation per row)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(N, generator=gen) for _ in range(rows)]).float() / 8
+
+
+def _oea(logits: torch.Tensor, k0: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    ids, weights = route(logits, CPURouter().spec(), OEAConfig(k0, min_batch=0), valid)
+    return dense(weights, ids, N)
+
+
+def _step(router: CPURouter, tokens_per_request: list[int], logits: torch.Tensor
+          ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One engine step through the plugin's worker hook and CPU op: (plugin output, stock routing)."""
+    stock = router.route_stock(logits)
+    plugin._begin_step(scheduler_output(tokens_per_request))
+    try:
+        out = plugin._cpu_route_body(logits, stock[0], stock[1], 0)
+    finally:
+        plugin._end_step()
+    return out, stock
+
+
+def _assert_stock(out: tuple[torch.Tensor, torch.Tensor], stock: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(out[0], stock[0]) and torch.equal(out[1], stock[1])
+
+
+def test_prefill_steps_after_decode_steps_keep_stock_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": "2"}, router)
+    steps = [[5], [1, 1, 1, 1], [1, 1, 1, 1], [7], [3, 1], [1, 1, 1, 1], [6]]  # prefill / decode / mixed
+    for n, tokens in enumerate(steps):
+        logits = _logits(sum(tokens), seed=n)
+        out, stock = _step(router, tokens, logits)
+        decode = all(t == 1 for t in tokens)
+        assert state.decode is decode and bool(state.decode_flag) is decode, f"step {n}: flag not set per step"
+        if decode:
+            torch.testing.assert_close(dense(*out, N), _oea(logits, 2))
+            assert not torch.equal(dense(*out, N), dense(*stock, N))
+        else:
+            _assert_stock(out, stock)
+
+
+@pytest.mark.parametrize("min_batch", [2, 3, 5])
+def test_decode_steps_reroute_from_exactly_min_batch_real_rows(monkeypatch: pytest.MonkeyPatch,
+                                                              min_batch: int) -> None:
+    context = install_vllm(monkeypatch)
+    router = CPURouter()
+    fresh_state(monkeypatch, {"OEA_K0": "1", "OEA_MIN_BATCH": str(min_batch)}, router)
+    logits = _logits(min_batch + 3, seed=min_batch)
+
+    exact = logits[:min_batch]  # no padding: exactly min_batch rows are rerouted, one fewer are not
+    out, _ = _step(router, [1] * min_batch, exact)
+    torch.testing.assert_close(dense(*out, N), _oea(exact, 1))
+    out, stock = _step(router, [1] * (min_batch - 1), logits[: min_batch - 1])
+    _assert_stock(out, stock)
+
+    # 3 padding rows: exactly min_batch real rows are rerouted as if alone, padding rows stay stock
+    context.is_padding = torch.arange(min_batch + 3) >= min_batch
+    out, stock = _step(router, [1] * min_batch, logits)
+    torch.testing.assert_close(dense(out[0][:min_batch], out[1][:min_batch], N), _oea(exact, 1))
+    torch.testing.assert_close(dense(out[0][min_batch:], out[1][min_batch:], N),  # same experts and weights;
+                               dense(stock[0][min_batch:], stock[1][min_batch:], N))  # slot order may differ
+    context.is_padding = torch.arange(min_batch + 3) >= min_batch - 1  # one real row fewer: all stock
+    out, stock = _step(router, [1] * (min_batch - 1), logits)
+    _assert_stock(out, stock)
+
+
+def test_padding_rows_anywhere_in_the_batch_leave_the_union(monkeypatch: pytest.MonkeyPatch) -> None:
+    context = install_vllm(monkeypatch)
+    router = CPURouter()
+    fresh_state(monkeypatch, {"OEA_K0": "2"}, router)
+    logits = _logits(7, seed=11)
+    padding = torch.tensor([False, True, False, True, True, False, False])
+    context.is_padding = torch.cat([padding, torch.ones(3, dtype=torch.bool)])  # longer than the step: sliced
+    out, stock = _step(router, [1, 1, 1, 1], logits)
+    real = ~padding
+    torch.testing.assert_close(dense(out[0][real], out[1][real], N), _oea(logits[real], 2))
+    torch.testing.assert_close(dense(out[0][padding], out[1][padding], N),
+                               dense(stock[0][padding], stock[1][padding], N))
+    context.available = False  # no forward context (e.g. a profiling run): every row counts as real
+    out, _ = _step(router, [1] * 7, logits)
+    torch.testing.assert_close(dense(*out, N), _oea(logits, 2))
+
+
+def test_metrics_record_what_each_step_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": "1"}, router)
+    added: list[plugin._StepRecord] = []
+    state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record)})()
+    for n, tokens in enumerate([[4], [1, 1, 1], [1], [5]]):
+        _step(router, tokens, _logits(sum(tokens), seed=20 + n))
+    prefill, decode, single, prefill_again = added
+    assert (decode.decode, decode.oea) == (True, True) and decode.rows == 3
+    assert int(decode.active[0]) < int(decode.active_stock[0])
+    for record in (prefill, single, prefill_again):  # not rewritten: the counts are the stock counts
+        assert not record.oea
+        assert int(record.active[0]) == int(record.active_stock[0])
+    assert (prefill.rows, single.rows, prefill_again.rows) == (4, 1, 5)
+
+
+def test_graph_wrapper_keeps_appended_shared_expert_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": "2"}, router)
+    logits = _logits(6, seed=3)
+    shared_w, shared_ids = torch.full((6, 1), 0.25), torch.full((6, 1), N, dtype=torch.int32)
+
+    def stock_with_shared(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        weights, ids = self.route_stock(router_logits)
+        return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_ids], dim=1)
+
+    wrapped = plugin._graph_wrapper(stock_with_shared)
+    state.decode = False  # eager prefill: stock output, untouched
+    weights, ids = wrapped(router, None, logits, None)
+    assert ids.shape == (6, K + 1) and torch.equal(ids[:, :K], router.route_stock(logits)[1])
+    state.decode = True
+    weights, ids = wrapped(router, None, logits, None)
+    assert weights.shape == ids.shape == (6, K + 1), "the shared-expert column must survive the rewrite"
+    assert torch.equal(ids[:, K:], shared_ids) and torch.equal(weights[:, K:], shared_w)
+    torch.testing.assert_close(dense(weights[:, :K], ids[:, :K], N), _oea(logits, 2))
+
+
+CASES = [  # (rows, padding rows, k0, renormalize, dtype)
+    (6, [1, 4], 2, True, torch.float32),
+    (9, [0, 3, 7, 8], 1, True, torch.float32),
+    (8, [2, 3, 4, 5, 6], 3, False, torch.float32),
+    (7, [0, 5, 6], 2, True, torch.bfloat16),
+    (5, [], 8, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("rows", "padding", "k0", "renormalize", "dtype"), CASES)
+def test_numba_kernel_logic_with_several_padding_rows(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                      padding: list[int], k0: int, renormalize: bool,
+                                                      dtype: torch.dtype) -> None:
+    """The kernel's Python body (numba stand-in: njit = identity) against the routing core; the compiled
+    kernel is checked the same way in .venv-vllm (tests/engines/test_vllm_plugin_hooks.py)."""
+    install_python_numba(monkeypatch)
+    logits = (_logits(rows, seed=rows * 10 + k0) - 4).to(dtype)
+    valid = torch.ones(rows, dtype=torch.bool)
+    valid[padding] = False
+    weights, ids = plugin.numba_softmax_oea(logits, K, k0, renormalize, valid)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (rows, K)
+    ref_ids, ref_w = route(logits, CPURouter(renormalize=renormalize).spec(), OEAConfig(k0, min_batch=0), valid)
+    torch.testing.assert_close(dense(weights, ids, N), dense(ref_w, ref_ids, N), atol=1e-6, rtol=1e-5)
+    used = dense(weights, ids, N) > 0
+    assert bool(used.gather(1, ids.long()).all()), "filler slots must repeat one of the row's own experts"
