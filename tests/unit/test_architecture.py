@@ -1,0 +1,316 @@
+"""The import rules of ``docs/architecture.md``, checked on the source with ``ast`` (no module is imported).
+
+Every ``import`` in ``src/oea`` (and every ``importlib.import_module("literal")``) is read with its
+place: at module level (runs on import) or inside a function (lazy). Imports under
+``if TYPE_CHECKING:`` never run and are ignored. Temporary exceptions are named below with the
+work that removes them; an exception that no longer applies fails the test, so the lists only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "oea"
+MAX_LINES = 450
+
+ENGINES = frozenset({"vllm", "sglang", "transformers", "lm_eval"})
+FILE_IO_MODULES = frozenset({"os", "io", "pathlib", "shutil", "tempfile", "glob", "subprocess", "socket", "urllib",
+                             "http", "sqlite3", "pickle", "shelve"})
+TOOLS = ("oea.traces", "oea.sim", "oea.eval", "oea.bench", "oea.tuning", "oea.launch", "oea.report")
+TOP_CLI = frozenset({"oea.cli", "oea.__main__"})
+# What the engine adapters may import of the project besides their own package and the ``oea`` facade.
+ADAPTER_MAY_IMPORT = ("oea.routing", "oea.config", "oea.stats", "oea.models.testing")
+
+# Files over MAX_LINES, each until the named work splits it.
+SIZE_ALLOWANCES: dict[str, str] = {
+    "integrations/vllm.py": "issue 13: the adapter becomes a package (plugin, routing, metrics, doctor) once the "
+                            "adapter tests being written against it have landed",
+    "integrations/sglang.py": "issue 13: same split as integrations/vllm.py",
+    "integrations/transformers.py": "issue 13: same split as integrations/vllm.py",
+    "bench/serve.py": "issue 11: its helper is extending the serving benchmark; split when that lands",
+}
+# (importer, imported CLI module): imports of a CLI module by something other than the top CLI.
+CLI_IMPORT_ALLOWANCES: dict[tuple[str, str], str] = {
+    ("oea.bench.serve_cli", "oea.launch.vllm_cli"): "issue 11 (serving work in progress): `oea bench serve` runs "
+                                                     "`oea serve vllm`'s handler; move the shared launch code out",
+    ("oea.bench.serve_ab", "oea.launch.vllm_cli"): "issue 11: strip_separator belongs in oea.launch.vllm",
+    ("oea.traces.cli", "oea.sim.cli"): "traces/cli.py is being edited by another helper: import wide_console "
+                                       "from oea.console instead",
+}
+# (routing module, file-I/O module it imports).
+ROUTING_IO_ALLOWANCES: dict[tuple[str, str], str] = {
+    ("oea.routing.schedules", "pathlib"): "LayerK0Schedule.save/load read and write the per-layer k0 file; move them "
+                                          "to oea.config (to_json/from_json stay in routing) with the adapter split",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target as written (``name``) and resolved to a project module (``module``)."""
+
+    importer: str
+    name: str
+    module: str | None  # the oea module it loads (None: outside the project)
+    line: int
+    lazy: bool  # inside a function body
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES: dict[str, pathlib.Path] = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The deepest project module that ``name`` loads (``oea.routing.spec.RouterSpec`` -> ``oea.routing.spec``)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in MODULES:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports_of(module: str, path: pathlib.Path) -> tuple[list[Import], list[int]]:
+    """Runtime imports of one file, and the lines where it calls the builtin ``open``."""
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[Import] = []
+    opens: list[int] = []
+
+    def add(name: str, line: int, lazy: bool) -> None:
+        found.append(Import(module, name, _resolve(name) if name.split(".")[0] == "oea" else None, line, lazy))
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for stmt in child.orelse:
+                    visit(stmt, lazy)
+                continue
+            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    add(alias.name, child.lineno, lazy)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                add(base, child.lineno, lazy)
+                for alias in child.names:
+                    if f"{base}.{alias.name}" in MODULES:  # a submodule, not a name inside the module
+                        add(f"{base}.{alias.name}", child.lineno, lazy)
+            elif isinstance(child, ast.Call):
+                func = child.func
+                if isinstance(func, ast.Name) and func.id == "open":
+                    opens.append(child.lineno)
+                literal = child.args[0] if child.args and isinstance(child.args[0], ast.Constant) else None
+                if (isinstance(func, ast.Attribute) and func.attr == "import_module" and literal is not None
+                        and isinstance(literal.value, str)):
+                    add(literal.value, child.lineno, lazy)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), False)
+    return found, opens
+
+
+IMPORTS: dict[str, list[Import]] = {}
+OPEN_CALLS: dict[str, list[int]] = {}
+for _name, _path in MODULES.items():
+    IMPORTS[_name], OPEN_CALLS[_name] = _imports_of(_name, _path)
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _is_cli(module: str) -> bool:
+    last = module.rpartition(".")[2]
+    return module in TOP_CLI or last == "cli" or last.endswith("_cli")
+
+
+def _where(imp: Import) -> str:
+    return f"{MODULES[imp.importer].relative_to(SRC)}:{imp.line} imports {imp.name}"
+
+
+def _project_edges(lazy: bool) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, imports in IMPORTS.items():
+        for imp in imports:
+            if imp.module is not None and imp.module != name and (lazy or not imp.lazy):
+                graph[name].add(imp.module)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return cycles
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def test_the_scan_sees_the_package():
+    assert {"oea", "oea.cli", "oea.routing.policies", "oea.stats", "oea.report.build"} <= set(MODULES)
+    names = {imp.name for imp in IMPORTS["oea.report.build"]}
+    assert "oea.report.sections" in names and not any(imp.lazy for imp in IMPORTS["oea.report.build"]
+                                                       if imp.name == "oea.report.sections")
+    assert any(imp.lazy and imp.module == "oea.bench.layer" for imp in IMPORTS["oea.bench.layer_cli"])
+
+
+def test_routing_core_imports_no_other_project_module_no_engine_and_no_file_io():
+    problems = []
+    for name, imports in IMPORTS.items():
+        if not _within(name, "oea.routing"):
+            continue
+        for imp in imports:
+            top = imp.name.split(".")[0]
+            if imp.module is not None and not _within(imp.module, "oea.routing"):
+                problems.append(f"{_where(imp)} (the core imports nothing else of oea)")
+            elif top in ENGINES:
+                problems.append(f"{_where(imp)} (no engine in the core)")
+            elif top in FILE_IO_MODULES and (name, top) not in ROUTING_IO_ALLOWANCES:
+                problems.append(f"{_where(imp)} (no file I/O in the core)")
+            elif top not in sys.stdlib_module_names and top not in {"torch", "oea"}:
+                problems.append(f"{_where(imp)} (the core needs only torch)")
+        problems += [f"{MODULES[name].relative_to(SRC)}:{line} calls open() (no file I/O in the core)"
+                     for line in OPEN_CALLS[name]]
+    assert not problems, "\n".join(problems)
+
+
+def test_foundation_modules_import_nothing_of_the_project():
+    for name in ("oea.stats", "oea.console", "oea.models.testing"):
+        project = [_where(imp) for imp in IMPORTS[name] if imp.module is not None]
+        assert not project, f"{name} must stay importable on its own: " + "; ".join(project)
+
+
+def test_adapters_import_no_tool_and_no_cli():
+    problems = []
+    for name, imports in IMPORTS.items():
+        if not _within(name, "oea.integrations") or _is_cli(name):
+            continue
+        for imp in imports:
+            if imp.module is None or _within(imp.module, "oea.integrations"):
+                continue
+            if imp.module != "oea" and not any(_within(imp.module, ok) for ok in ADAPTER_MAY_IMPORT):
+                problems.append(f"{_where(imp)} (adapters may import only oea, {', '.join(ADAPTER_MAY_IMPORT)})")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_top_cli_imports_cli_modules():
+    seen, problems = set(), []
+    for name, imports in IMPORTS.items():
+        for imp in imports:
+            if imp.module is None or imp.module == name or not _is_cli(imp.module) or name in TOP_CLI:
+                continue
+            if (name, imp.module) in CLI_IMPORT_ALLOWANCES:
+                seen.add((name, imp.module))
+            else:
+                problems.append(f"{_where(imp)} (only oea.cli and oea.__main__ import CLI modules)")
+    assert not problems, "\n".join(problems)
+    stale = sorted(set(CLI_IMPORT_ALLOWANCES) - seen)
+    assert not stale, f"these CLI imports are gone: remove them from CLI_IMPORT_ALLOWANCES: {stale}"
+
+
+def test_the_top_cli_registers_only_cli_modules():
+    from oea.cli import COMMAND_MODULES
+
+    assert all(_is_cli(name) and name in MODULES for name in COMMAND_MODULES), COMMAND_MODULES
+
+
+def test_no_tool_imports_the_report():
+    problems = [_where(imp) for name, imports in IMPORTS.items()
+                if not _within(name, "oea.report") and not _is_cli(name)
+                for imp in imports if imp.module is not None and _within(imp.module, "oea.report")]
+    assert not problems, "the report sits on top; nothing below it imports it:\n" + "\n".join(problems)
+
+
+def test_core_config_and_facade_import_only_downwards():
+    below_tools = {"oea.config": ("oea.routing",), "oea": ("oea.routing", "oea.integrations")}
+    problems = []
+    for name, allowed in below_tools.items():
+        for imp in IMPORTS[name]:
+            if imp.module is not None and not any(_within(imp.module, ok) for ok in allowed):
+                problems.append(f"{_where(imp)} (allowed: {list(allowed)})")
+            if name == "oea" and imp.module is not None and _within(imp.module, "oea.integrations") and not imp.lazy:
+                problems.append(f"{_where(imp)} (the facade imports the transformers adapter lazily)")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_engine_is_imported_at_module_level():
+    problems = [_where(imp) for imports in IMPORTS.values() for imp in imports
+                if not imp.lazy and imp.name.split(".")[0] in ENGINES]
+    assert not problems, "engines are imported inside functions only:\n" + "\n".join(problems)
+
+
+def test_importing_oea_and_building_the_cli_loads_no_engine():
+    code = ("import sys, oea, oea.cli; oea.cli.build_parser(); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(ENGINES)!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["module-level imports", "all imports"])
+def test_no_import_cycles(lazy):
+    cycles = find_cycles(_project_edges(lazy))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_file_in_the_package_is_over_the_line_limit():
+    sizes = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    over = sorted(f"{name} ({lines} lines)" for name, lines in sizes.items()
+                  if lines > MAX_LINES and name not in SIZE_ALLOWANCES)
+    assert not over, f"split these files (limit {MAX_LINES} lines): {over}"
+    stale = sorted(name for name in SIZE_ALLOWANCES if sizes.get(name, 0) <= MAX_LINES)
+    assert not stale, f"these files are gone or small enough now: remove them from SIZE_ALLOWANCES: {stale}"
