@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from oea.console import wide_console
+from oea.sim import presets_cli
+from oea.sim.presets_cli import add_model_preset_file_argument
 
 
 @contextlib.contextmanager
@@ -58,16 +60,20 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def _simulate(args: argparse.Namespace) -> int:
     import torch
 
+    from oea.sim.preset_file import parallel_degrees, resolve_model_preset
     from oea.sim.simulate import simulate
     from oea.traces import load_trace
 
     torch.set_num_threads(max(1, args.threads))
+    preset = resolve_model_preset(args.model_preset, args.model_preset_file)
+    tp, ep = parallel_degrees(preset, args.tp, args.ep)
+    args.ep = ep
     trace = load_trace(args.trace)
     with _progress_bar(f"simulating {trace.name}", not args.json and sys.stderr.isatty()) as update:
         rows = simulate(
             trace, policies=args.policies, k0s=args.k0, batch_sizes=args.batch_sizes, mode=args.mode,
-            seed=args.seed, num_batches=args.num_batches, model_preset=args.model_preset, gpu=args.gpu,
-            tp=args.tp, ep=args.ep, progress=update, policy_options=parse_policy_options(args.policy_option),
+            seed=args.seed, num_batches=args.num_batches, model_preset=preset.model if preset else None,
+            gpu=args.gpu, tp=tp, ep=ep, progress=update, policy_options=parse_policy_options(args.policy_option),
         )
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -102,13 +108,19 @@ def _simulate(args: argparse.Namespace) -> int:
 def _roofline(args: argparse.Namespace) -> int:
     import torch
 
+    from oea.sim.preset_file import parallel_degrees, resolve_model_preset
     from oea.sim.roofline import roofline
 
     torch.set_num_threads(max(1, args.threads))
+    default = None if args.model_preset_file else "qwen3-30b-a3b"
+    preset = resolve_model_preset(args.model or default, args.model_preset_file, name_flag="--model")
+    assert preset is not None
+    args.tp, ep = parallel_degrees(preset, args.tp, args.ep)
+    args.ep = ep or 1
     trace = None if args.trace == "none" else args.trace
     with _progress_bar("simulating trace T", not args.json and sys.stderr.isatty()) as update:
         rows = roofline(
-            args.model, args.gpu, tp=args.tp, ep=args.ep, batch_sizes=args.batch_sizes, k0s=args.k0,
+            preset.model, args.gpu, tp=args.tp, ep=args.ep, batch_sizes=args.batch_sizes, k0s=args.k0,
             trace=trace, num_batches=args.num_batches, seed=args.seed, progress=update,
         )
     if args.json:
@@ -150,6 +162,7 @@ def _roofline(args: argparse.Namespace) -> int:
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    presets_cli.register(commands)
     p = commands.add_parser("simulate", help="replay a routing trace through policies (what-if T, latency)")
     p.add_argument("--trace", default="qwen3-30b-a3b", metavar="NAME_OR_PATH",
                    help="bundled trace name or trace file (default: qwen3-30b-a3b)")
@@ -161,9 +174,11 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="mixed: B random tokens of the pool; lockstep: B requests at the same position")
     p.add_argument("--num-batches", type=int, default=32, help="batches per batch size")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-preset", default=None, help="model preset for latency (default: the trace's)")
+    p.add_argument("--model-preset", default=None,
+                   help="built-in model preset for latency (`oea presets`; default: the trace's)")
+    add_model_preset_file_argument(p)
     p.add_argument("--gpu", default=None, help="accelerator preset for predicted latency")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for latency")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree for latency (default 1)")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel degree: report the busiest device's active experts")
     p.add_argument("--policy-option", nargs="+", default=None, metavar="POLICY:KEY=VALUE",
@@ -173,10 +188,11 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.set_defaults(handler=_simulate)
 
     r = commands.add_parser("roofline", help="memory- vs compute-bound analysis and OEA's theoretical gain")
-    r.add_argument("--model", default="qwen3-30b-a3b", help="model preset")
+    r.add_argument("--model", default=None, help="built-in model preset (default: qwen3-30b-a3b; `oea presets`)")
+    add_model_preset_file_argument(r)
     r.add_argument("--gpu", default="h100-sxm", help="accelerator preset")
-    r.add_argument("--tp", type=int, default=1)
-    r.add_argument("--ep", type=int, default=1)
+    r.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 1)")
+    r.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default 1)")
     r.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], metavar="B")
     r.add_argument("--k0", type=int, nargs="+", default=[3, 5], metavar="K0")
     r.add_argument("--trace", default="qwen3-30b-a3b",

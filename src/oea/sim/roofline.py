@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oea.sim.costmodel import CostModel, uniform_active_experts, uniform_max_device_active
-from oea.sim.presets import get_gpu_preset, get_model_preset
+from oea.sim.presets import ModelPreset, get_gpu_preset, get_model_preset
 
 
 def trace_active_experts(
@@ -57,7 +57,7 @@ def table_from_rows(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int | Non
 
 
 def roofline(
-    model: str,
+    model: str | ModelPreset,
     gpu: str,
     tp: int = 1,
     ep: int = 1,
@@ -68,7 +68,10 @@ def roofline(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per batch size (fields listed in the module docstring; ``None`` where not applicable)."""
+    """One row per batch size (fields listed in the module docstring; ``None`` where not applicable).
+
+    ``model`` is a built-in preset name or a ``ModelPreset`` (e.g. ``load_model_preset_file(...).model``).
+    """
     table: dict[tuple[str, int | None, int], dict[str, Any]] = {}
     trace_ref = None
     if trace is not None:
@@ -87,7 +90,7 @@ class TraceRef:
 
 
 def roofline_from_table(
-    model: str,
+    model: str | ModelPreset,
     gpu: str,
     tp: int,
     ep: int,
@@ -98,7 +101,7 @@ def roofline_from_table(
 ) -> list[dict[str, Any]]:
     """``roofline`` rows from an existing T table ``{(policy, k0, B): {"T", "T_device",
     "experts_per_token"}}`` (e.g. rows already simulated by ``oea report``)."""
-    preset = get_model_preset(model)
+    preset = model if isinstance(model, ModelPreset) else get_model_preset(model)
     cost = CostModel(preset, get_gpu_preset(gpu), tp=tp, ep=ep)
     n, k = preset.num_experts, preset.top_k
     rows = []

@@ -34,6 +34,7 @@ import oea
 from oea.routing import RouterSpec, make_policy, policy_names, router_scores
 from oea.routing.catalog import needs_k0
 from oea.routing.spec import PrunedConfig
+from oea.sim.presets import ModelPreset
 from oea.traces import Trace, load_trace
 
 Mode = Literal["mixed", "lockstep"]
@@ -276,7 +277,7 @@ def simulate(
     mode: str = "mixed",
     seed: int = 0,
     num_batches: int = 32,
-    model_preset: str | None = None,
+    model_preset: str | ModelPreset | None = None,
     gpu: str | None = None,
     tp: int = 1,
     ep: int | None = None,
@@ -296,7 +297,8 @@ def simulate(
         seed: seeds batch formation; every policy sees the same batches.
         num_batches: batches per batch size.
         model_preset / gpu / tp: latency prediction (``predicted_latency_us``) when both are given;
-            ``model_preset`` defaults to the trace's ``meta['model_preset']`` when ``gpu`` is given.
+            ``model_preset`` (a built-in name or a ``ModelPreset``, e.g. from a preset file) defaults
+            to the trace's ``meta['model_preset']`` when ``gpu`` is given.
         ep: expert-parallel degree: adds ``max_device_active_experts`` (contiguous placement) and uses
             it for the latency.
         layers: subset of layer indices (default: all).
@@ -353,19 +355,20 @@ def simulate(
     return rows
 
 
-def _cost_model(trace: Trace, model_preset: str | None, gpu: str | None, tp: int, ep: int | None):
+def _cost_model(trace: Trace, model_preset: str | ModelPreset | None, gpu: str | None, tp: int, ep: int | None):
     from oea.sim.costmodel import CostModel
     from oea.sim.presets import get_gpu_preset, get_model_preset
 
+    if isinstance(model_preset, str):
+        model_preset = get_model_preset(model_preset)  # validate the name even without a GPU
     if gpu is None:
-        if model_preset is not None:
-            get_model_preset(model_preset)  # validate the name even without a GPU
         return None
     name = model_preset or trace.meta.get("model_preset")
     if not name:
         raise ValueError(f"trace {trace.name!r} names no model preset; pass model_preset "
-                         f"(--model-preset) to predict latency")
-    return CostModel(get_model_preset(name), get_gpu_preset(gpu), tp=tp, ep=ep or 1)
+                         f"(--model-preset or --model-preset-file) to predict latency")
+    preset = name if isinstance(name, ModelPreset) else get_model_preset(name)
+    return CostModel(preset, get_gpu_preset(gpu), tp=tp, ep=ep or 1)
 
 
 _CORE_KEYS = ("active_experts", "experts_per_token", "kept_topk_share", "kept_mass", "token_slots")

@@ -38,7 +38,7 @@ def _traces(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    from oea.sim.cli import wide_console
+    from oea.console import wide_console
 
     table = Table(title="routing traces")
     for column in ("name", "tokens", "layers", "N", "k", "content", "request ids"):
