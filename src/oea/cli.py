@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "oea.bench.layer_cli",
     "oea.tuning.cli",
     "oea.bench.serve_cli",
+    "oea.models.cli",
 )
 
 
