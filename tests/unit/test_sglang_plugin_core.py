@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oea
 from oea.config import settings_from_env
@@ -150,6 +152,49 @@ def test_rewrite_below_min_batch_is_a_no_op() -> None:
     assert plugin.rewrite_topk(*_vanilla(logits, spec, torch.int32), logits, spec, oea.OEAConfig(2)) is None
 
 
+@pytest.mark.parametrize("min_batch", [1, 2, 3, 5])
+def test_exactly_min_batch_rows_are_rewritten(min_batch: int) -> None:
+    logits = torch.randn(min_batch + 2, 64, generator=torch.Generator().manual_seed(min_batch))
+    spec, cfg = oea.RouterSpec(64, 8), oea.OEAConfig(1, min_batch=min_batch)
+    exact = logits[:min_batch]
+    result = plugin.rewrite_topk(*_vanilla(exact, spec, torch.int32), exact, spec, cfg)  # no padding count
+    assert result is not None, f"{min_batch} rows with min_batch={min_batch} must be rewritten"
+    expected_ids, expected_weights = oea.route(exact, spec, cfg)
+    assert torch.equal(result[0].long(), expected_ids) and torch.equal(result[1], expected_weights)
+    if min_batch > 1:
+        fewer = logits[: min_batch - 1]
+        assert plugin.rewrite_topk(*_vanilla(fewer, spec, torch.int32), fewer, spec, cfg) is None
+    # the same with two padding rows: the count of real rows decides
+    engine = _vanilla(logits, spec, torch.int32)
+    ids, weights = plugin.rewrite_topk(*engine, logits, spec, cfg, torch.tensor(min_batch))
+    assert torch.equal(ids[:min_batch].long(), expected_ids) and torch.equal(weights[:min_batch], expected_weights)
+    assert torch.equal(ids[min_batch:], engine[0][min_batch:]) and torch.equal(weights[min_batch:],
+                                                                               engine[1][min_batch:])
+    if min_batch > 1:
+        ids, weights = plugin.rewrite_topk(*engine, logits, spec, cfg, min_batch - 1)
+        assert torch.equal(ids, engine[0]) and torch.equal(weights, engine[1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 4), st.integers(0, 12), st.booleans(), st.integers(0, 2**31 - 1))
+def test_rewrite_equals_route_of_the_real_rows(rows: int, min_batch: int, real: int, padded: bool, seed: int) -> None:
+    """Property: the rewrite of a batch equals ``oea.route`` of its real rows alone (or is absent / an
+    identity when they are fewer than min_batch); padding rows keep SGLang's output exactly."""
+    real = min(real, rows) if padded else rows
+    logits = torch.randn(rows, 32, generator=torch.Generator().manual_seed(seed)) * 3
+    spec, cfg = oea.RouterSpec(32, 4), oea.OEAConfig(2, min_batch=min_batch)
+    engine = _vanilla(logits, spec, torch.int64)
+    result = plugin.rewrite_topk(*engine, logits, spec, cfg, torch.tensor(real) if padded else None)
+    if real < min_batch:
+        assert result is None or (torch.equal(result[0], engine[0]) and torch.equal(result[1], engine[1]))
+        return
+    assert result is not None
+    if real:
+        want_ids, want_weights = oea.route(logits[:real], spec, cfg)
+        assert torch.equal(result[0][:real], want_ids) and torch.equal(result[1][:real], want_weights)
+    assert torch.equal(result[0][real:], engine[0][real:]) and torch.equal(result[1][real:], engine[1][real:])
+
+
 def test_padding_rows_keep_engine_output_and_leave_the_union() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(10, 64, generator=gen)
@@ -231,6 +276,17 @@ def test_post_process_hook_rewrites_only_in_decode(fake_topk_module: types.Modul
     assert plugin.rewrite_count() == 1
 
 
+def test_one_topk_config_with_two_expert_counts_gets_two_specs(fake_topk_module: types.ModuleType) -> None:
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    cfg = topk_config()
+    with plugin.forward_mode(FakeMode.DECODE):
+        for experts in (64, 32, 64):
+            kwargs = _hook_kwargs(cfg, experts=experts)
+            _, new = plugin._post_process_before(**kwargs)
+            spec = oea.RouterSpec(experts, 8)
+            assert torch.equal(new["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))[0])
+
+
 def test_unsupported_layer_passes_through_with_one_warning(
     fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -283,6 +339,105 @@ def test_forward_context_hook_pushes_the_batch_mode() -> None:
     with plugin._forward_context_around(original, "ctx", forward_batch=batch) as value:
         assert value == "inner" and plugin.current_forward_mode() is FakeMode.DECODE
     assert seen == [FakeMode.DECODE] and plugin.current_forward_mode() is None
+
+
+def test_forward_context_hook_reads_a_positional_batch() -> None:
+    import contextlib
+
+    @contextlib.contextmanager
+    def original(ctx: Any, forward_batch: Any = None):
+        yield plugin.decode_active()
+
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    with plugin._forward_context_around(original, "ctx", SimpleNamespace(forward_mode=FakeMode.DECODE)) as seen:
+        assert seen is True
+    with plugin._forward_context_around(original, "ctx", SimpleNamespace(forward_mode=FakeMode.EXTEND)) as seen:
+        assert seen is False
+
+
+def test_hooks_of_versions_without_forward_context_push_the_mode() -> None:
+    """SGLang 0.5.12-0.5.14: the mode comes from ``ModelRunner.forward(self, forward_batch)`` and from the
+    graph runner's ``capture_forward_mode`` while a CUDA graph is captured."""
+    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    runner = SimpleNamespace(capture_forward_mode=FakeMode.DECODE)
+    decode_batch = SimpleNamespace(forward_mode=FakeMode.DECODE)
+    extend_batch = SimpleNamespace(forward_mode=FakeMode.EXTEND)
+
+    def seen(*args: Any, **kwargs: Any) -> bool:
+        return plugin.decode_active()
+
+    assert plugin._model_runner_forward_around(seen, runner, decode_batch) is True
+    assert plugin._model_runner_forward_around(seen, runner, forward_batch=extend_batch) is False
+    assert plugin._graph_capture_around(seen, runner) is True
+    assert plugin._graph_capture_around(seen, SimpleNamespace(capture_forward_mode=FakeMode.EXTEND)) is False
+    assert not plugin.decode_active()  # popped again
+
+
+def test_missing_rewrite_hook_is_reported_on_the_first_forward(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    import contextlib
+
+    monkeypatch.setattr(plugin, "target_hooked", lambda target: target != plugin.POST_PROCESS_TARGET)
+    with caplog.at_level(logging.ERROR, logger=plugin.__name__):
+        for _ in range(2):
+            with plugin._forward_context_around(lambda ctx, forward_batch=None: contextlib.nullcontext(), None):
+                pass
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "serving WITHOUT OEA" in errors[0] and plugin.POST_PROCESS_TARGET in errors[0]
+
+
+def _fake_topk_functions(module: types.ModuleType, with_post_process: bool) -> None:
+    """SGLang's ``select_experts`` (vanilla routing) calling ``_post_process_topk_ids`` when it exists."""
+    output = __import__("collections").namedtuple("StandardTopKOutput", "topk_weights topk_ids router_logits")
+
+    def _post_process_topk_ids(*, topk_ids, topk_weights, topk_config, router_logits, layer_id,
+                               num_token_non_padded, expert_location_dispatch_info=None):
+        return topk_ids, topk_weights
+
+    def select_experts(hidden_states, router_logits, topk_config, *, layer_id=None, num_token_non_padded=None,
+                       expert_location_dispatch_info=None):
+        spec = plugin.router_spec_from_topk_config(topk_config, router_logits.shape[1])
+        ids, weights = _vanilla(router_logits, spec, torch.int32)
+        if with_post_process:
+            ids, weights = module._post_process_topk_ids(
+                topk_ids=ids, topk_weights=weights, topk_config=topk_config, router_logits=router_logits,
+                layer_id=layer_id, num_token_non_padded=num_token_non_padded,
+                expert_location_dispatch_info=expert_location_dispatch_info)
+        return output(weights, ids, router_logits)
+
+    module.select_experts = select_experts
+    if with_post_process:
+        module._post_process_topk_ids = _post_process_topk_ids
+
+
+@pytest.mark.parametrize("with_post_process", [True, False], ids=["0.5.12+", "0.5.9-legacy"])
+def test_direct_patching_rewrites_decode_only(fake_topk_module: types.ModuleType, with_post_process: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``install_without_registry`` (python -m oea.launch.sglang): BEFORE hooks where SGLang has
+    ``_post_process_topk_ids``, else an AROUND rewrite of ``select_experts``' output."""
+    for parent in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.moe"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    _fake_topk_functions(fake_topk_module, with_post_process)
+    patched = plugin.install_without_registry(settings_from_env({"OEA_K0": "2"}))
+    assert (plugin.POST_PROCESS_TARGET in patched) is with_post_process and plugin.SELECT_EXPERTS_TARGET in patched
+    cfg = topk_config()
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
+    spec = plugin.router_spec_from_topk_config(cfg, 64)
+    vanilla_ids = _vanilla(logits, spec, torch.int32)[0]
+    with plugin.forward_mode(FakeMode.DECODE):
+        decode = fake_topk_module.select_experts(torch.zeros(6, 4), logits, cfg, layer_id=0)
+        eplb = fake_topk_module.select_experts(torch.zeros(6, 4), logits, cfg, layer_id=0,
+                                               expert_location_dispatch_info=object())
+        padded = fake_topk_module.select_experts(torch.zeros(6, 4), logits, cfg, layer_id=0,
+                                                 num_token_non_padded=torch.tensor(4))
+    with plugin.forward_mode(FakeMode.EXTEND):
+        extend = fake_topk_module.select_experts(torch.zeros(6, 4), logits, cfg, layer_id=0)
+    assert torch.equal(decode.topk_ids.long(), oea.route(logits, spec, oea.OEAConfig(2))[0])
+    assert torch.equal(padded.topk_ids[:4].long(), oea.route(logits[:4], spec, oea.OEAConfig(2))[0])
+    assert torch.equal(padded.topk_ids[4:], vanilla_ids[4:])
+    assert torch.equal(extend.topk_ids, vanilla_ids)
+    if not with_post_process:  # the legacy rewrite runs after the EPLB remap, so it must stay away from it
+        assert torch.equal(eplb.topk_ids, vanilla_ids)
 
 
 # --------------------------------------------------------------------------- registration
@@ -351,8 +506,12 @@ def test_per_layer_k0_file_sets_each_layers_k0(fake_topk_module: types.ModuleTyp
     with plugin.forward_mode(FakeMode.DECODE):
         _, layer5 = plugin._post_process_before(**kwargs)
         _, layer7 = plugin._post_process_before(**{**kwargs, "layer_id": 7})  # not in the file: OEA_K0
+        _, layer9 = plugin._post_process_before(**{**kwargs, "layer_id": 9})
+        _, layer5_again = plugin._post_process_before(**kwargs)
     assert torch.equal(layer5["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(1))[0])
     assert torch.equal(layer7["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(3))[0])
+    assert torch.equal(layer9["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(6))[0])
+    assert torch.equal(layer5_again["topk_ids"], layer5["topk_ids"])  # each layer's config is cached apart
 
 
 def test_per_layer_k0_file_for_another_model_falls_back_visibly(
