@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "oea.tuning.cli",
     "oea.bench.serve_cli",
     "oea.models.cli",
+    "oea.bench.decode_cli",
 )
 
 
