@@ -1,7 +1,7 @@
 """``oea bench serve`` driver: arms from the command line, running servers or one restarted vLLM server.
 
-Restart mode (``--serve-arm NAME=ENV ... -- <vllm args>``): for each round, each arm (order alternating
-between rounds) gets a fresh vLLM server started with its environment, runs the whole concurrency
+Restart mode (``--serve-arm NAME=ENV ... -- <vllm args>``): for each round, each arm (order rotated
+between rounds: ``restart_order``) gets a fresh vLLM server started with its environment, runs the whole concurrency
 sweep, and is stopped; the plugin's metrics file of that server (``OEA_METRICS_FILE``, one per arm
 and round) is summarised into the rows: ``engine_routing_us_per_call`` (mean over decode-step
 routing calls in the round's time window), ``engine_active_experts`` (mean per layer and decode step)
@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,13 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def engine_summary(metrics_rows: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
-    """Decode-step routing time and active experts inside [start, end] (worker clock = wall clock)."""
+    """Decode-step routing time, active experts and step time inside [start, end] (worker clock = wall clock).
+
+    ``engine_step_ms_median``: median gap between the end stamps of consecutive engine steps that are both
+    decode steps (the engine's decode step period); ``engine_routing_share_call`` = mean routing time of
+    one call / that step; ``engine_routing_share_step`` = mean routing time of all MoE layers of a step /
+    that step.
+    """
     rows = [r for r in metrics_rows if start <= r["time"] <= end + 1.0 and r["decode"]]
     times = [t for r in rows for t in r.get("routing_us", [])]
     active = [a for r in rows for a in r["active"]]
@@ -88,6 +96,17 @@ def engine_summary(metrics_rows: list[dict[str, Any]], start: float, end: float)
     }
     if stock:
         out["engine_active_experts_stock"] = statistics.mean(stock)
+    by_step = {(r.get("pid"), r["step"]): r for r in rows if "step" in r}
+    gaps = [(r["time"] - by_step[(r.get("pid"), r["step"] - 1)]["time"]) * 1e3 for r in rows
+            if "step" in r and (r.get("pid"), r["step"] - 1) in by_step]
+    gaps = [g for g in gaps if g > 0]
+    if gaps:
+        step_ms = statistics.median(gaps)
+        out["engine_step_ms_median"] = step_ms
+        if times:
+            per_step = statistics.mean(sum(r["routing_us"]) for r in rows if r.get("routing_us"))
+            out["engine_routing_share_call"] = statistics.mean(times) / 1e3 / step_ms
+            out["engine_routing_share_step"] = per_step / 1e3 / step_ms
     return out
 
 
@@ -105,6 +124,24 @@ def engine_enricher(metrics_files: dict[str, Path], flush_wait: float = 1.0):
         row.update(engine_summary(engine_rows, row["start_time"], row["end_time"]))
 
     return enrich
+
+
+def with_load(enrich: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    """``enrich`` that also records the machine's load average (1, 5, 15 min) at the end of each round."""
+
+    def enrich_with_load(row: dict[str, Any]) -> None:
+        row["loadavg"] = list(os.getloadavg())
+        if enrich is not None:
+            enrich(row)
+
+    return enrich_with_load
+
+
+def restart_order(names: list[str], round_index: int) -> list[str]:
+    """The arm order of one round in restart mode: rotated left by the round index (off k5 k3, k5 k3 off,
+    k3 off k5, ...), so over len(names) rounds every arm runs once in every position."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
 
 
 def parse_engine_metrics(specs: list[str]) -> dict[str, Path]:
@@ -132,8 +169,7 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
     names = list(serve_arms)
     rows: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
+        for name in restart_order(names, r):
             metrics_file = out_dir / f"engine-{name}-round{r}.jsonl"
             metrics_file.unlink(missing_ok=True)
             env = oea_env(None, None)
@@ -143,7 +179,7 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
                 wait_healthy(server, timeout=health_timeout)
                 single = BenchConfig(**{**cfg.__dict__, "rounds": 1, "seed": cfg.seed + 100 * r})
                 for row in run_benchmark([Arm(name, server.base_url)], single, progress=progress,
-                                         enrich=engine_enricher({name: metrics_file})):
+                                         enrich=with_load(engine_enricher({name: metrics_file}))):
                     row["round"] = r
                     row["arm_env"] = serve_arms[name]
                     rows.append(row)
@@ -185,16 +221,27 @@ def main(args: argparse.Namespace) -> int:
 
         try:
             enrich = engine_enricher(parse_engine_metrics(args.engine_metrics)) if args.engine_metrics else None
-            rows = run_benchmark(arms, cfg, output_file=output_file, progress=not args.no_progress, enrich=enrich)
+            rows = run_benchmark(arms, cfg, output_file=output_file, progress=not args.no_progress,
+                                 enrich=with_load(enrich))
         except ServerUnreachable as err:
             print(f"oea bench serve: error: {err}", file=sys.stderr)
             return 1
+    from oea.bench.serve_summary import ab_summary, plot_ab, print_ab_table
+
     summary = summarize(rows)
+    ab = ab_summary(rows, baseline=args.baseline_arm, seed=cfg.seed)
+    several = len({r["arm"] for r in rows}) > 1
     if args.plot:
         size = (f"in={cfg.text_input_chars} chars" if cfg.dataset == "text" else f"in={cfg.random_input_len}")
-        plot(rows, args.plot, title=f"{cfg.dataset} {size} out={cfg.random_output_len} tokens")
+        title = f"{cfg.dataset} {size} out={cfg.random_output_len} tokens"
+        if several:
+            plot_ab(ab, args.plot, title=title)
+        else:
+            plot(rows, args.plot, title=title)
     if args.json:
-        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        print(json.dumps({"rows": rows, "summary": summary, "ab": ab}, indent=1))
+    elif several:
+        print_ab_table(ab)
     else:
         _print_table(summary)
     return 0

@@ -32,7 +32,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
             "(mean/median/p99), output tok/s, req/s as vLLM and SGLang define them. Arms: --base-url (one "
             "server), --base-url-a/--base-url-b (two servers), --arm NAME=URL (any number), or "
             "--serve-arm NAME=ENV ... -- <vllm args> (one server restarted per arm and round). Rounds "
-            "alternate arm order (A B, B A, ...)."
+            "alternate arm order (A B, B A, ...; restart mode rotates it). With several arms: medians over "
+            "rounds with 95% CIs and ratios to --baseline-arm paired by round."
         ),
     )
     p.add_argument("--base-url", help="one server, e.g. http://127.0.0.1:8000")
@@ -62,6 +63,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--engine-metrics", action="append", default=[], metavar="NAME=FILE",
                    help="an arm's OEA_METRICS_FILE (vLLM plugin): adds engine_* fields (routing us per call, "
                         "active experts per decode step) for each round's time window")
+    p.add_argument("--baseline-arm", metavar="NAME",
+                   help="A/B summary: ratios against this arm (default: the first arm)")
     p.add_argument("--python", help="restart mode: interpreter with vLLM installed (default: this one)")
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -29,6 +29,24 @@ LOCAL_SERVER_ENV: dict[str, str] = {
     "DO_NOT_TRACK": "1",
 }
 
+# vLLM's CPU worker reserves --gpu-memory-utilization (default 0.9) of *total* memory at start-up and
+# refuses to start when less than that is available, which is the normal state of a shared machine.
+# An explicit KV-cache size skips that check; 1 GiB holds 16 sequences of 1024 tokens of the embedded model.
+CPU_KV_CACHE_VAR = "VLLM_CPU_KVCACHE_SPACE"
+CPU_KV_CACHE_DEFAULT_GIB = 1
+MEMORY_FLAGS: tuple[str, ...] = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+
+
+def memory_defaults(env: Mapping[str, str], vllm_args: Sequence[str]) -> dict[str, str]:
+    """``{VLLM_CPU_KVCACHE_SPACE: "1"}`` unless the environment or the arguments size memory themselves
+    (the variable set, or ``--kv-cache-memory-bytes`` / ``--gpu-memory-utilization`` given); else ``{}``.
+
+    vLLM reads the variable only on its CPU platform, so it changes nothing on a GPU.
+    """
+    if CPU_KV_CACHE_VAR in env or any(_option(vllm_args, flag) is not None for flag in MEMORY_FLAGS):
+        return {}
+    return {CPU_KV_CACHE_VAR: str(CPU_KV_CACHE_DEFAULT_GIB)}
+
 
 @dataclass
 class Server:
@@ -90,13 +108,14 @@ def start_server(
 ) -> Server:
     """Start ``python -m vllm.entrypoints.openai.api_server *vllm_args`` in a new session.
 
-    ``--host 127.0.0.1`` is added when the arguments name no host. Output goes to ``log_path``
-    (inherited stdout/stderr when None). Returns at once; call ``wait_healthy`` next.
+    ``--host 127.0.0.1`` is added when the arguments name no host, and ``VLLM_CPU_KVCACHE_SPACE=1`` when
+    nothing sizes memory (``memory_defaults``). Output goes to ``log_path`` (inherited stdout/stderr when
+    None). Returns at once; call ``wait_healthy`` next.
     """
     args = list(vllm_args)
     if _option(args, "--host") is None:
         args += ["--host", "127.0.0.1"]
-    full_env = {**LOCAL_SERVER_ENV, **env}
+    full_env = {**LOCAL_SERVER_ENV, **memory_defaults(env, args), **env}
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     log_file = None
     if log_path is not None:

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from oea.launch.vllm import oea_env, signal_server, start_server, stop_server, wait_healthy
+from oea.launch.vllm import memory_defaults, oea_env, signal_server, start_server, stop_server, wait_healthy
 
 
 def strip_separator(args: list[str]) -> list[str]:
@@ -29,6 +29,8 @@ def main(args: argparse.Namespace) -> int:
         from oea.config import settings_from_env
 
         settings_from_env(env)
+    defaults = "".join(f"; {var}={value} (CPU KV cache GiB; set it, --kv-cache-memory-bytes or "
+                       "--gpu-memory-utilization to choose)" for var, value in memory_defaults(env, vllm_args).items())
     server = start_server(vllm_args, env, python=args.python)
     stopping = {"signal": None}
 
@@ -41,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         wait_healthy(server, timeout=args.health_timeout)
         print(f"oea serve vllm: ready at {server.base_url} (OEA_K0={env.get('OEA_K0', 'unset')}, "
-              f"pid {server.process.pid})", file=sys.stderr, flush=True)
+              f"pid {server.process.pid}{defaults})", file=sys.stderr, flush=True)
         while server.process.poll() is None and stopping["signal"] is None:
             time.sleep(0.2)
         if stopping["signal"] is not None:

@@ -1,0 +1,152 @@
+"""A/B summary of ``oea bench serve`` rows: per concurrency and arm, medians over rounds with 95% CIs,
+ratios to a baseline arm with paired CIs, engine-side figures, a table and a PNG.
+
+Rounds are the unit: each (arm, concurrency, round) row is one server run of the same prompts as the
+other arms' rows of that round, so arm-vs-baseline ratios are paired by round (``oea.stats``:
+ratio of medians, whole rounds resampled). Per-round values are the row's own medians over its requests
+(``median_tpot_ms``, ``median_itl_ms``) or its totals (``output_throughput``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+AB_METRICS: tuple[str, ...] = ("median_tpot_ms", "median_itl_ms", "output_throughput", "mean_tpot_ms")
+ENGINE_FIELDS: tuple[str, ...] = ("engine_active_experts", "engine_active_experts_stock", "engine_routing_us_per_call",
+                                  "engine_step_ms_median", "engine_routing_share_call", "engine_routing_share_step")
+
+
+def _finite(values: Sequence[Any]) -> list[float]:
+    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
+
+
+def _by_round(rows: Sequence[dict[str, Any]], key: str) -> dict[int, float]:
+    return {int(r["round"]): float(r[key]) for r in rows if r.get(key) is not None and not math.isnan(float(r[key]))}
+
+
+def ab_summary(rows: Sequence[dict[str, Any]], baseline: str | None = None, seed: int = 0,
+               metrics: Sequence[str] = AB_METRICS) -> list[dict[str, Any]]:
+    """One entry per (max_concurrency, arm): ``rounds``, and for each metric M ``M`` (median over rounds),
+    ``M_ci`` (bootstrap 95% CI of that median), ``M_rounds`` (per-round values), and for arms other than
+    the baseline ``M_ratio`` / ``M_ratio_ci`` (median(arm) / median(baseline), paired by round when both
+    have the same rounds, else unpaired); engine fields are means over rounds. ``baseline`` defaults to
+    the first arm seen; ``ValueError`` names ``--baseline-arm`` when it is not an arm."""
+    from oea.stats import median_interval, ratio_of_medians_interval
+
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    if not arms:
+        return []
+    baseline = arms[0] if baseline is None else baseline
+    if baseline not in arms:
+        raise ValueError(f"--baseline-arm must be one of {arms}, got {baseline!r}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for concurrency in sorted({int(r["max_concurrency"]) for r in rows}):
+        cell = {arm: [r for r in rows if r["arm"] == arm and int(r["max_concurrency"]) == concurrency] for arm in arms}
+        for arm in arms:
+            if not cell[arm]:
+                continue
+            entry: dict[str, Any] = {"arm": arm, "max_concurrency": concurrency, "rounds": len(cell[arm]),
+                                     "baseline": baseline}
+            for metric in metrics:
+                own = _by_round(cell[arm], metric)
+                if not own:
+                    continue
+                values = [own[k] for k in sorted(own)]
+                interval = median_interval(values, rng)
+                entry.update({metric: interval.estimate, f"{metric}_ci": interval.as_list(),
+                              f"{metric}_rounds": values})
+                base = _by_round(cell[baseline], metric)
+                if arm == baseline or not base:
+                    continue
+                common = sorted(set(own) & set(base))
+                if len(common) == len(own) == len(base):
+                    ratio = ratio_of_medians_interval([own[k] for k in common], [base[k] for k in common], rng,
+                                                      paired=True)
+                else:
+                    ratio = ratio_of_medians_interval(values, [base[k] for k in sorted(base)], rng, paired=False)
+                entry.update({f"{metric}_ratio": ratio.estimate, f"{metric}_ratio_ci": ratio.as_list()})
+            for field in ENGINE_FIELDS:
+                values = _finite(r.get(field) for r in cell[arm])
+                if values:
+                    entry[field] = statistics.mean(values)
+            loads = _finite(r["loadavg"][0] for r in cell[arm] if r.get("loadavg"))
+            if loads:
+                entry["loadavg_1m_range"] = [min(loads), max(loads)]
+            out.append(entry)
+    return out
+
+
+def print_ab_table(summary: Sequence[dict[str, Any]]) -> None:
+    """The A/B summary as a rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"serving A/B (medians over rounds, 95% CI; ratios vs '{summary[0]['baseline']}', paired by "
+                        "round)" if summary else "serving A/B")
+    for column in ("c", "arm", "rounds", "median TPOT ms", "TPOT ratio", "median ITL ms", "out tok/s",
+                   "tok/s ratio", "active experts", "routing µs/call", "step ms", "routing share/step"):
+        table.add_column(column, justify="right")
+
+    def cell(entry: dict[str, Any], key: str, fmt: str) -> str:
+        if key not in entry:
+            return "–"
+        lo, hi = entry[f"{key}_ci"]
+        return f"{entry[key]:{fmt}} [{lo:{fmt}}–{hi:{fmt}}]"
+
+    for e in summary:
+        active = f"{e['engine_active_experts']:.1f}" if "engine_active_experts" in e else "–"
+        if "engine_active_experts_stock" in e:
+            active += f" ({e['engine_active_experts_stock']:.1f})"
+        table.add_row(
+            str(e["max_concurrency"]), e["arm"], str(e["rounds"]), cell(e, "median_tpot_ms", ".1f"),
+            cell(e, "median_tpot_ms_ratio", ".3f"), cell(e, "median_itl_ms", ".1f"),
+            cell(e, "output_throughput", ".1f"), cell(e, "output_throughput_ratio", ".3f"), active,
+            f"{e['engine_routing_us_per_call']:.0f}" if "engine_routing_us_per_call" in e else "–",
+            f"{e['engine_step_ms_median']:.1f}" if "engine_step_ms_median" in e else "–",
+            f"{e['engine_routing_share_step']:.2%}" if "engine_routing_share_step" in e else "–",
+        )
+    Console(width=200).print(table)
+
+
+def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """PNG, three panels against max concurrency, one line per arm: median TPOT, output tok/s (medians over
+    rounds, bars: 95% CI) and TPOT / baseline TPOT (bars: paired 95% CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("median_tpot_ms", "median TPOT (ms)"), ("output_throughput", "output throughput (tok/s)"),
+              ("median_tpot_ms_ratio", "TPOT / baseline TPOT"))
+    for arm in dict.fromkeys(e["arm"] for e in summary):
+        for ax, (key, _label) in zip(axes, panels, strict=True):
+            points = [e for e in summary if e["arm"] == arm and key in e]
+            if not points:
+                continue
+            mid = np.array([e[key] for e in points])
+            err = np.array([[m - e[f"{key}_ci"][0] for m, e in zip(mid, points, strict=True)],
+                            [e[f"{key}_ci"][1] - m for m, e in zip(mid, points, strict=True)]])
+            ax.errorbar([e["max_concurrency"] for e in points], mid, yerr=err, marker="o", capsize=3, label=arm)
+    for ax, (_key, label) in zip(axes, panels, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,89 @@
+"""Serving A/B additions: the A/B summary (medians over rounds, ratios paired by round), engine step time and
+routing share, rotated arm order in restart mode, load average per row, and vLLM's CPU memory default in
+the launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oea.bench.serve_ab import engine_summary, restart_order, with_load
+from oea.bench.serve_summary import ab_summary, plot_ab
+from oea.launch.vllm import memory_defaults, start_server
+
+
+def _row(arm: str, conc: int, rnd: int, tpot: float, tput: float, **extra: float) -> dict:
+    return {"arm": arm, "max_concurrency": conc, "round": rnd, "median_tpot_ms": tpot, "median_itl_ms": tpot,
+            "mean_tpot_ms": tpot, "output_throughput": tput, "loadavg": [2.0 + rnd, 2.0, 2.0], **extra}
+
+
+def test_ab_summary_pairs_rounds_and_reports_cis() -> None:
+    off = [100.0, 130.0, 90.0, 120.0]  # round-to-round drift larger than the effect
+    rows = [_row("off", 16, r, t, 1000 / t, engine_active_experts=48.0) for r, t in enumerate(off)]
+    rows += [_row("k3", 16, r, 0.7 * t, 1000 / (0.7 * t), engine_active_experts=24.0) for r, t in enumerate(off)]
+    rows += [_row("off", 1, 0, 50.0, 20.0), _row("k3", 1, 0, 50.0, 20.0)]
+    summary = ab_summary(rows, baseline="off")
+    k3 = next(e for e in summary if e["arm"] == "k3" and e["max_concurrency"] == 16)
+    assert k3["median_tpot_ms_ratio"] == pytest.approx(0.7)
+    assert k3["median_tpot_ms_ratio_ci"] == pytest.approx([0.7, 0.7])  # paired: the drift cancels
+    assert k3["output_throughput_ratio"] == pytest.approx(1 / 0.7)
+    assert k3["median_tpot_ms"] == pytest.approx(0.7 * 110.0) and k3["rounds"] == 4
+    lo, hi = k3["median_tpot_ms_ci"]
+    assert lo < k3["median_tpot_ms"] < hi
+    assert k3["engine_active_experts"] == 24.0 and k3["loadavg_1m_range"] == [2.0, 5.0]
+    off16 = next(e for e in summary if e["arm"] == "off" and e["max_concurrency"] == 16)
+    assert "median_tpot_ms_ratio" not in off16 and off16["median_tpot_ms_rounds"] == off
+    assert [(e["max_concurrency"], e["arm"]) for e in summary] == [(1, "off"), (1, "k3"), (16, "off"), (16, "k3")]
+    with pytest.raises(ValueError, match="--baseline-arm must be one of"):
+        ab_summary(rows, baseline="k9")
+
+
+def test_ab_summary_unpaired_when_rounds_differ(tmp_path: Path) -> None:
+    rows = [_row("off", 4, r, 10.0 + r, 100.0) for r in range(3)] + [_row("k5", 4, r, 8.0, 120.0) for r in range(2)]
+    k5 = next(e for e in ab_summary(rows) if e["arm"] == "k5")
+    assert k5["median_tpot_ms_ratio"] == pytest.approx(8.0 / 11.0)
+    assert plot_ab(ab_summary(rows), tmp_path / "ab.png").stat().st_size > 0
+
+
+def test_engine_summary_step_time_and_routing_share() -> None:
+    rows = [{"pid": 7, "step": s, "time": 100.0 + 0.1 * s, "decode": True, "rows": 16, "active": [20, 30],
+             "routing_us": [200.0, 200.0]} for s in range(1, 6)]
+    rows.append({"pid": 7, "step": 6, "time": 100.9, "decode": False, "rows": 40, "active": [60, 60]})
+    out = engine_summary(rows, 99.0, 101.0)
+    assert out["engine_step_ms_median"] == pytest.approx(100.0)
+    assert out["engine_routing_share_call"] == pytest.approx(0.002)  # 200 µs of 100 ms
+    assert out["engine_routing_share_step"] == pytest.approx(0.004)  # two layers
+    assert out["engine_decode_steps"] == 5 and out["engine_active_experts"] == 25.0
+
+
+def test_restart_order_rotates_every_arm_through_every_position() -> None:
+    names = ["off", "k5", "k3"]
+    orders = [restart_order(names, r) for r in range(3)]
+    assert orders == [["off", "k5", "k3"], ["k5", "k3", "off"], ["k3", "off", "k5"]]
+    for arm in names:
+        assert sorted(order.index(arm) for order in orders) == [0, 1, 2]
+
+
+def test_rows_record_the_load_average() -> None:
+    row: dict = {"arm": "a"}
+    with_load(lambda r: r.update(seen=True))(row)
+    assert len(row["loadavg"]) == 3 and row["seen"] is True
+
+
+def test_vllm_cpu_memory_default_only_when_nothing_sizes_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert memory_defaults({}, ["--model", "m"]) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert memory_defaults({"VLLM_CPU_KVCACHE_SPACE": "4"}, ["--model", "m"]) == {}
+    assert memory_defaults({}, ["--model", "m", "--gpu-memory-utilization", "0.5"]) == {}
+    assert memory_defaults({}, ["--kv-cache-memory-bytes=1000000"]) == {}
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd: list[str], env: dict, **_kw: object) -> None:
+            seen.update(cmd=cmd, env=env)
+
+    monkeypatch.setattr("oea.launch.vllm.subprocess.Popen", FakePopen)
+    start_server(["--model", "m"], {"PATH": "/bin"}, python="py")
+    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and seen["cmd"][-2:] == ["--host", "127.0.0.1"]
+    start_server(["--model", "m"], {"VLLM_CPU_KVCACHE_SPACE": "3"}, python="py")
+    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "3"
