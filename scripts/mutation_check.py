@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE = ROOT / "scripts" / "mutations.toml"
-FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")  # ERROR (a test that cannot run) is no kill
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, str, floa
             return "error", f"timed out after {timeout:.0f} s", time.monotonic() - started
     seconds = time.monotonic() - started
     output = proc.stdout + proc.stderr
-    failed = [m.group(2) for line in output.splitlines() if (m := FAILED_LINE.match(line))]
+    failed = [m.group(2) for line in output.splitlines() if (m := FAILED_LINE.match(line)) and m.group(1) == "FAILED"]
     if proc.returncode == 0:
         return "SURVIVED", "all tests passed", seconds
     if proc.returncode == 1 and failed:

@@ -36,6 +36,30 @@ def test_vanilla_T_equals_an_independent_count_of_the_same_batches(qwen3: Trace)
     assert rows[0]["per_layer_active_experts"] == pytest.approx(expected.mean(axis=1).round(3).tolist())
 
 
+def test_mixed_batches_never_repeat_a_token(qwen3: Trace) -> None:
+    batches = make_batches(qwen3, 128, "mixed", 50, torch.Generator().manual_seed(0))
+    assert batches.shape == (50, 128)
+    assert all(len(set(batch.tolist())) == 128 for batch in batches), "mixed batches are drawn without replacement"
+    assert int(batches.min()) >= 0 and int(batches.max()) < qwen3.num_tokens
+
+
+@pytest.mark.parametrize("batch_size", [48, 47])
+def test_batch_of_the_whole_pool_loads_every_expert_the_pool_uses(batch_size: int) -> None:
+    """Independent of ``make_batches``: a batch holding the whole pool has exactly the pool's distinct experts,
+    and one token fewer can drop at most the experts only that token used."""
+    trace = _full_logit_trace(tokens=48, n=64, k=2)
+    top = [[set(torch.topk(trace.logits[t, layer], 2).indices.tolist()) for t in range(48)] for layer in range(2)]
+    pool = [len(set().union(*layer_sets)) for layer_sets in top]
+    rows = simulate(trace, policies=["vanilla"], batch_sizes=[batch_size], num_batches=8, seed=5)
+    per_layer = rows[0]["per_layer_active_experts"]
+    if batch_size == 48:  # every batch is the whole pool
+        assert per_layer == pool
+    else:
+        fewest = [min(len(set().union(*(s for u, s in enumerate(layer_sets) if u != t))) for t in range(48))
+                  for layer_sets in top]
+        assert all(f <= got <= p for f, got, p in zip(fewest, per_layer, pool, strict=True))
+
+
 def test_vanilla_T_at_B16_is_the_measured_64_5_not_uniform_82_4(qwen3: Trace) -> None:
     # Independent: numpy's own random batches (not make_batches), 400 trials as in real-traces.md §3.1.
     rng = np.random.default_rng(1)
