@@ -1,4 +1,5 @@
-"""GPU check of ``oea bench layer``: CUDA-graph routing + MoE layer, graph-vs-eager equality.
+"""GPU check of ``oea bench layer`` and ``oea bench decode``: CUDA-graph routing + MoE layer, graph-vs-eager
+equality, end-to-end decode steps.
 
 Run by ``scripts/gpu_check.sh`` (<= 8 minutes on one H100/H200, no network). Steps:
 
@@ -8,6 +9,11 @@ Run by ``scripts/gpu_check.sh`` (<= 8 minutes on one H100/H200, no network). Ste
 2. The layer benchmark on CUDA (each timed call = one CUDA-graph replay of routing + layer, or of
    the layer alone for the synthetic T sweep) for the Qwen3-30B-A3B layer at B = 16 on the bundled
    Qwen3 trace, then OLMoE and a GLM-5 TP-8 slice; a short table each.
+3. ``oea bench decode`` on CUDA: the embedded model inflated in memory to Qwen3-30B-A3B's expert size
+   (``oea.models.inflate``, 4.8 GB bf16), B in {1, 16, 64}, OEA off vs k0 = 3 and 5, each decode step
+   captured in a CUDA graph (``torch.compile`` reduce-overhead if capture fails); checks that k0 = top_k
+   gives OEA off's tokens and that the graph gives eager's tokens. A failure here is reported in the JSON
+   (``decode_error``) without losing steps 1-2.
 
 Results go to ``$OUT/gpu_check.json`` when ``OUT`` is set (or ``--out``). ``--device cpu --dry-run``
 runs the same code eagerly on tiny sizes (what the CPU test suite exercises).
@@ -158,6 +164,43 @@ def bench_runs(device: str, dry_run: bool, repeats: int, threads: int) -> list[d
     return results
 
 
+def decode_configs(device: str, dry_run: bool, threads: int) -> list[tuple[str, Any]]:
+    """The ``oea bench decode`` settings of this check: (label, ``DecodeBenchConfig``)."""
+    from oea.bench.decode import DecodeBenchConfig
+
+    if dry_run:
+        return [("decode, embedded inflated to intermediate 64 (dry run)", DecodeBenchConfig(
+            like=None, moe_intermediate_size=64, batch_sizes=(1, 2), k0s=(3, 5), rounds=1, new_tokens=2,
+            prompt_tokens=8, threads=threads, device=device))]
+    return [("decode, embedded inflated like qwen3-30b-a3b", DecodeBenchConfig(
+        like="qwen3-30b-a3b", batch_sizes=(1, 16, 64), k0s=(3, 5), rounds=5, new_tokens=32, prompt_tokens=64,
+        threads=threads, device=device, graph="auto"))]
+
+
+def decode_runs(device: str, dry_run: bool, threads: int) -> tuple[list[dict[str, Any]], str | None]:
+    """Run ``decode_configs``; returns (results with ``label`` and ``wall_s``, the error that stopped them)."""
+    from oea.bench.decode import run_decode_bench
+
+    results = []
+    for label, config in decode_configs(device, dry_run, threads):
+        start = time.perf_counter()
+        try:
+            result = run_decode_bench(config)
+        except Exception as err:  # keep the layer results: report the error in the JSON and fail the check
+            return results, f"{label}: {type(err).__name__}: {err}"
+        result["label"] = label
+        result["wall_s"] = time.perf_counter() - start
+        results.append(result)
+    return results, None
+
+
+def decode_ok(run: dict[str, Any]) -> bool:
+    """k0 = top_k gave OEA off's tokens, and a captured graph (no fallback) gave eager's tokens."""
+    graph_exact = run["graph"] != "capture" or run["graph_fallbacks"] or all(
+        match == 1.0 for match in run["graph_token_match_vs_eager"].values())
+    return bool(run["k0_top_k_identical"]) and bool(graph_exact)
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """The short printed table."""
     lines = [f"graph-vs-eager routing: {sum(r['ok'] for r in report['graph_routing'])}/"
@@ -175,6 +218,19 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if fit:
             lines.append(f"fit: {fit['b_us']:.2f} µs·T + {fit['a_us']:.3f} µs·B·k + {fit['c_us']:.1f} µs, "
                          f"R²={fit['r2']:.4f}")
+    for run in report.get("decode", []):
+        lines.append(f"== {run['label']} ({run['machine']}, graph={run['graph']}, {run['wall_s']:.0f} s)")
+        lines.append(f"{'B':>4} {'policy':<10}{'T/layer':>8}{'step ms':>10}{'95% CI':>17}{'tok/s':>10}{'ratio':>8}"
+                     f"{'ratio CI':>16}")
+        for r in run["rows"]:
+            lines.append(f"{r['batch_size']:>4} {r['label']:<10}{r['mean_active_experts']:>8.1f}"
+                         f"{r['step_ms_median']:>10.3f}{r['step_ms_ci'][0]:>8.3f}–{r['step_ms_ci'][1]:<8.3f}"
+                         f"{r['tokens_per_s']:>10.0f}{r['ratio_vs_vanilla']:>8.3f}"
+                         f"{r['ratio_ci'][0]:>8.3f}–{r['ratio_ci'][1]:<7.3f}")
+        lines.append(f"k0=top_k identical: {run['k0_top_k_identical']}; graph vs eager tokens: "
+                     f"{run['graph_token_match_vs_eager']}; capture fallbacks: {len(run['graph_fallbacks'])}")
+    if report.get("decode_error"):
+        lines.append(f"decode benchmark FAILED: {report['decode_error']}")
     return lines
 
 
@@ -184,6 +240,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, few repeats (runs eagerly on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per benchmark (default 200; 3 dry)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU side)")
+    parser.add_argument("--skip-decode", action="store_true", help="skip step 3 (oea bench decode)")
     parser.add_argument("--out", default=None, help="result file (default: $OUT/gpu_check.json when OUT is set)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.dry_run:
@@ -205,7 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["graph_routing"] = check_graph_routing(args.device)
     report["graph_layer"] = check_graph_layer(args.device)
     report["bench"] = bench_runs(args.device, args.dry_run, args.repeats, args.threads)
-    report["ok"] = all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
+    report["decode"], report["decode_error"] = ([], None) if args.skip_decode else decode_runs(
+        args.device, args.dry_run, args.threads)
+    report["ok"] = (all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
+                    and report["decode_error"] is None and all(decode_ok(run) for run in report["decode"]))
     print("\n".join(summary_lines(report)))
     out = args.out or (str(pathlib.Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None)
     if out:
@@ -213,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pathlib.Path(out).write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {out}")
     if not report["ok"]:
-        print("gpu_check: FAILED: graph-captured results differ from eager (see the JSON)", file=sys.stderr)
+        print("gpu_check: FAILED: graph-captured results differ from eager, k0 = top_k changed decode tokens, or "
+              "the decode benchmark stopped (see the JSON)", file=sys.stderr)
         return 1
     return 0
 

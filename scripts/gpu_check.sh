@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU check of `oea bench layer` (<= 8 minutes on one H100/H200, no network needed):
+# GPU check of `oea bench layer` and `oea bench decode` (<= 8 minutes on one H100/H200, no network needed;
+# torch with CUDA, Triton and transformers, no vLLM/SGLang):
 #   1. oea.route captured in a CUDA graph == eager (vanilla, OEA, pruned; padding rows via `valid`),
 #      and route + MoE layer captured == eager;
 #   2. the MoE-layer benchmark on CUDA (CUDA-graph replays of routing + layer) for Qwen3-30B-A3B at
-#      B=16 on the bundled Qwen3 trace, OLMoE, and a GLM-5 TP-8 slice; a short table each.
+#      B=16 on the bundled Qwen3 trace, OLMoE, and a GLM-5 TP-8 slice; a short table each;
+#   3. `oea bench decode` on CUDA: the embedded model inflated in memory to Qwen3-30B-A3B's expert size,
+#      B in {1,16,64}, OEA off vs k0=3 and 5, decode steps as CUDA graphs.
 # Results: $OUT/gpu_check.json when OUT is set. Extra arguments go to scripts/gpu_check.py
 # (e.g. --repeats 500; --device cpu --dry-run for a CPU smoke run).
 set -euo pipefail
@@ -13,6 +16,6 @@ if [ ! -x "$PY" ]; then
   PY="python3"
   export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PY" -c "import torch, numpy, rich, safetensors" || {
-  echo "gpu_check: needs torch (CUDA build), numpy, rich, safetensors in $PY" >&2; exit 2; }
+"$PY" -c "import torch, numpy, rich, safetensors, transformers" || {
+  echo "gpu_check: needs torch (CUDA build), numpy, rich, safetensors, transformers in $PY" >&2; exit 2; }
 exec timeout 480 "$PY" scripts/gpu_check.py "$@"

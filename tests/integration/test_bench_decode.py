@@ -14,8 +14,6 @@ pytest.importorskip("transformers")
 
 from oea.bench.decode import (  # noqa: E402
     DecodeBenchConfig,
-    Decoder,
-    StepTimer,
     _Samples,
     batch_rows,
     make_variants,
@@ -23,8 +21,8 @@ from oea.bench.decode import (  # noqa: E402
     resolve_device,
     rotated,
     run_decode_bench,
-    use_compile,
 )
+from oea.bench.decode_step import Decoder, StepTimer, resolve_graph_mode  # noqa: E402
 from oea.cli import main  # noqa: E402
 
 ROW_FIELDS = {"policy", "k0", "batch_size", "step_ms_median", "step_ms_ci", "ratio_vs_vanilla", "mean_active_experts",
@@ -52,7 +50,7 @@ def test_rows_follow_the_contract(result: dict) -> None:
             assert row["ratio_vs_vanilla"] == 1.0 and row["token_match_vs_vanilla"] == 1.0
         else:
             assert row["ratio_ci"][0] <= row["ratio_vs_vanilla"] <= row["ratio_ci"][1]
-    assert result["device"] == "cpu" and result["compiled"] is False
+    assert result["device"] == "cpu" and result["graph"] == "none" and result["graph_fallbacks"] == []
     assert result["model"]["moe_intermediate_size"] == 48
     json.dumps(result)  # JSON-serialisable as printed by --json
 
@@ -72,7 +70,7 @@ def test_static_cache_decode_matches_generate() -> None:
 
     model, _tok = load_model(None, dtype=torch.bfloat16, experts_implementation="grouped_mm")
     prompts = torch.randint(5, 4000, (3, 8), generator=torch.Generator().manual_seed(1))
-    tokens, seconds = Decoder(model, 3, 8, 5, "cpu", compiled=False).run(prompts, StepTimer("cpu"))
+    tokens, seconds = Decoder(model, 3, 8, 5, "cpu").run(prompts, StepTimer("cpu"))
     with torch.no_grad():
         reference = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
                                    do_sample=False, pad_token_id=0)[:, 8:]
@@ -105,8 +103,37 @@ def test_device_and_compile_selection() -> None:
     assert resolve_device("cpu", cuda_available=True) == "cpu"
     with pytest.raises(ValueError, match=r"--device cuda: torch\.cuda\.is_available"):
         resolve_device("cuda", cuda_available=False)
-    assert use_compile(None, "cuda") is True and use_compile(None, "cpu") is False
-    assert use_compile(False, "cuda") is False and use_compile(True, "cpu") is True
+    assert resolve_graph_mode("auto", "cuda") == "capture" and resolve_graph_mode("auto", "cpu") == "none"
+    assert resolve_graph_mode("compile", "cpu") == "compile" and resolve_graph_mode("none", "cuda") == "none"
+    with pytest.raises(ValueError, match="--graph capture needs --device cuda"):
+        resolve_graph_mode("capture", "cpu")
+
+
+def test_failed_capture_warns_and_falls_back_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from oea.models import load_model
+
+    model, _tok = load_model(None, dtype=torch.bfloat16, experts_implementation="grouped_mm")
+    compiled_calls = []
+
+    def fake_compile(fn, **kwargs):  # CPU stand-in: record the options, run eagerly
+        compiled_calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    decoder = Decoder(model, 2, 8, 3, "cpu", mode="capture")  # the CPU side of the CUDA path
+
+    def failing_capture():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    decoder.prefill(torch.randint(5, 4000, (2, 8)))
+    with pytest.warns(RuntimeWarning, match="capture of the decode step failed"):
+        decoder.capture(failing_capture)
+    assert decoder.mode == "compile" and "not permitted" in decoder.fallback_error
+    prompts = torch.randint(5, 4000, (2, 8), generator=torch.Generator().manual_seed(2))
+    tokens, seconds = decoder.run(prompts, StepTimer("cpu"))
+    eager, _ = Decoder(model, 2, 8, 3, "cpu").run(prompts, StepTimer("cpu"))
+    assert torch.equal(tokens, eager) and len(seconds) == 3
+    assert compiled_calls == [{"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -116,6 +143,7 @@ def test_device_and_compile_selection() -> None:
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
     (["--like", "qwen9"], "--like must be one of"),
     (["--like", "qwen3-30b-a3b", "--moe-intermediate-size", "64"], "at most one of --like and --moe-intermediate"),
+    (["--graph", "capture"], "--graph capture needs --device cuda"),
 ])
 def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "decode", "--device", "cpu", "--batch-sizes", "1", "--new-tokens", "1",

@@ -13,8 +13,10 @@ How it measures:
   experts are read). OEA is attached with ``oea.attach`` (decode steps only), which also counts the
   active experts per layer and step for every policy, vanilla included.
 * CPU: eager, ``threads`` threads, every round runs all policies in a rotated order (interleaved, so
-  drift hits all alike). CUDA: each decode step is ``torch.compile(mode="reduce-overhead")`` (CUDA
-  graphs), compiled once per (policy, batch size); rounds run policy by policy, timed with CUDA events.
+  drift hits all alike). CUDA: the decode step is captured in a CUDA graph once per (policy, batch size)
+  (``oea.bench.decode_step``; ``torch.compile(mode="reduce-overhead")`` as fallback or with ``--graph
+  compile``); rounds run policy by policy, timed with CUDA events, and vanilla's graph tokens are
+  compared with eager ones (``graph_token_match_vs_eager``).
 * Statistics (``oea.stats``): step latency median with a bootstrap 95% CI over all timed steps; the
   ratio to vanilla is the ratio of medians with a paired bootstrap CI (step s of round r of a policy is
   paired with step s of round r of vanilla: same prompts, same position, neighbours in time).
@@ -24,7 +26,6 @@ How it measures:
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from oea.bench.decode_step import GRAPH_MODES, Decoder, StepTimer, resolve_graph_mode
 
 POLICIES: tuple[str, ...] = ("oea", "pruned")
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,7 +48,7 @@ class DecodeBenchConfig:
     """What ``oea bench decode`` runs (field names follow the flags).
 
     ``like`` / ``moe_intermediate_size``: inflate the model in memory (``oea.models.inflate``); both None
-    keeps it as it is. ``compile``: None = compiled CUDA graphs on CUDA, eager on CPU.
+    keeps it as it is. ``graph``: ``oea.bench.decode_step.GRAPH_MODES`` (auto: CUDA graphs on CUDA, eager on CPU).
     """
 
     model: str | None = None
@@ -60,7 +63,7 @@ class DecodeBenchConfig:
     threads: int = 2
     device: str = "auto"
     dtype: str = "bfloat16"
-    compile: bool | None = None
+    graph: str = "auto"
     seed: int = 0
     check_identity: bool = True
 
@@ -79,6 +82,8 @@ class DecodeBenchConfig:
             raise ValueError(f"--policies must be among {list(POLICIES)}, got {unknown}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.graph not in GRAPH_MODES:
+            raise ValueError(f"--graph must be one of {list(GRAPH_MODES)}, got {self.graph!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.like is not None and self.moe_intermediate_size is not None:
@@ -120,11 +125,6 @@ def resolve_device(name: str, cuda_available: bool | None = None) -> str:
     if name not in ("cpu", "cuda"):
         raise ValueError(f"--device must be one of {list(DEVICES)}, got {name!r}")
     return name
-
-
-def use_compile(requested: bool | None, device: str) -> bool:
-    """Compiled CUDA-graph decode steps: on CUDA unless ``--no-compile``; on CPU only when asked."""
-    return device == "cuda" if requested is None else requested
 
 
 # ---------------------------------------------------------------- model and prompts
@@ -177,75 +177,6 @@ def prompt_batch(streams: Sequence[Sequence[int]], batch_size: int, length: int,
 # ---------------------------------------------------------------- decoding
 
 
-class StepTimer:
-    """Times a callable: ``perf_counter`` on CPU, CUDA events (synchronised) on CUDA."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device == "cuda"
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.end = torch.cuda.Event(enable_timing=True)
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        if self.cuda:
-            self.start.record()
-            fn()
-            self.end.record()
-            self.end.synchronize()
-            return self.start.elapsed_time(self.end) / 1e3
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-
-class Decoder:
-    """Greedy decode of one batch size with a static KV cache; the step function may be compiled.
-
-    ``run(prompts [B, P])`` -> (tokens [B, 1 + new_tokens] int64 on CPU, step seconds [new_tokens]).
-    """
-
-    def __init__(self, model: Any, batch_size: int, prompt_tokens: int, new_tokens: int, device: str,
-                 compiled: bool) -> None:
-        from transformers import StaticCache
-
-        self.model, self.new_tokens, self.device = model, new_tokens, device
-        self.cache = StaticCache(config=model.config, max_cache_len=prompt_tokens + new_tokens + 1)
-        self.ids = torch.zeros(batch_size, 1, dtype=torch.int64, device=device)
-        self.position = torch.zeros(1, dtype=torch.int64, device=device)
-        self.compiled = compiled
-        # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)
-        self.cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        self.forward: Callable[..., Any] = model.__call__
-        if compiled:
-            self.forward = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=True, dynamic=False)
-
-    def step(self) -> None:
-        """One decode step: forward of the current tokens, greedy next tokens into ``self.ids``."""
-        if self.compiled and self.device == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = self.forward(input_ids=self.ids, cache_position=self.position, use_cache=True,
-                              **{self.cache_arg: self.cache}).logits
-        self.ids.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
-        self.position.add_(1)
-
-    @torch.no_grad()
-    def run(self, prompts: torch.Tensor, timer: StepTimer, steps: int | None = None
-            ) -> tuple[torch.Tensor, list[float]]:
-        """Prefill ``prompts`` (untimed), then ``steps`` (default ``new_tokens``) timed greedy steps."""
-        self.cache.reset()
-        prompts = prompts.to(self.device)
-        length = prompts.shape[1]
-        logits = self.model(input_ids=prompts, cache_position=torch.arange(length, device=self.device),
-                            use_cache=True, **{self.cache_arg: self.cache}).logits
-        self.ids.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
-        self.position.fill_(length)
-        tokens, seconds = [self.ids[:, 0].clone()], []
-        for _ in range(self.new_tokens if steps is None else min(steps, self.new_tokens)):
-            seconds.append(timer(self.step))
-            tokens.append(self.ids[:, 0].clone())
-        return torch.stack(tokens, dim=1).cpu(), seconds
-
-
 def _static_counters(handle: Any) -> None:
     """Give the handle's device counters static addresses, so that CUDA-graph trees may update them
     in place instead of skipping the graph (the counters are hook state, not module buffers)."""
@@ -280,15 +211,11 @@ def rotated(variants: Sequence[Variant], round_index: int) -> list[Variant]:
     return list(variants[shift:]) + list(variants[:shift])
 
 
-def _measure(decoder: Decoder, model: Any, variant: Variant, prompts: torch.Tensor, timer: StepTimer,
-             samples: _Samples, static: bool = False) -> None:
-    import oea
-
-    with oea.attach(model, variant.cfg) as handle:
-        if static:
-            _static_counters(handle)
-        tokens, seconds = decoder.run(prompts, timer)
-        oea_active, own_active = mean_active(handle.stats())
+def _measure(decoder: Decoder, handle: Any, prompts: torch.Tensor, timer: StepTimer, samples: _Samples
+             ) -> None:
+    handle.reset_stats()
+    tokens, seconds = decoder.run(prompts, timer)
+    oea_active, own_active = mean_active(handle.stats())
     samples.seconds.append(seconds)
     samples.tokens.append(tokens)
     samples.active.append(oea_active)
@@ -296,54 +223,64 @@ def _measure(decoder: Decoder, model: Any, variant: Variant, prompts: torch.Tens
 
 
 def measure_batch(model: Any, variants: Sequence[Variant], prompts: Sequence[torch.Tensor], cfg: DecodeBenchConfig,
-                  device: str, compiled: bool, progress: Callable[[str], None] | None = None
-                  ) -> dict[str, _Samples]:
-    """Every variant over every round's prompts ``[B, P]`` at one batch size -> {label: samples}.
+                  device: str, graph: str, progress: Callable[[str], None] | None = None
+                  ) -> tuple[dict[str, _Samples], list[str]]:
+    """Every variant over every round's prompts ``[B, P]`` at one batch size -> ({label: samples}, graph
+    capture errors that made a decoder fall back to ``compile``).
 
-    Eager: one decoder, a short untimed warm-up, then rounds with the variants in rotated order.
-    Compiled: one compiled decoder per variant (compiled and captured by an untimed first run), rounds
-    variant by variant (re-attaching hooks would recompile).
+    Eager (``graph="none"``): one decoder, a short untimed warm-up, then rounds with the variants in rotated
+    order, hooks attached per run. Graph modes: per variant one decoder whose first, untimed run captures
+    (or compiles) the step with that variant's hooks; the hooks stay attached for all its rounds (the
+    graph updates their counters; re-attaching would recompile), so rounds run variant by variant.
     """
     import oea
 
     timer = StepTimer(device)
     batch_size = prompts[0].shape[0]
     samples = {v.label: _Samples([], [], [], []) for v in variants}
-    if compiled:
+    fallbacks: list[str] = []
+    if graph != "none":
         for variant in variants:
-            decoder = Decoder(model, batch_size, cfg.prompt_tokens, cfg.new_tokens, device, compiled=True)
+            decoder = Decoder(model, batch_size, cfg.prompt_tokens, cfg.new_tokens, device, mode=graph)
             with oea.attach(model, variant.cfg) as handle:
-                _static_counters(handle)
-                decoder.run(prompts[0], timer)  # compiles and captures
-            for r, batch in enumerate(prompts):
-                if progress is not None:
-                    progress(f"B={batch_size} {variant.label} round {r + 1}/{len(prompts)}")
-                _measure(decoder, model, variant, batch, timer, samples[variant.label], static=True)
-        return samples
-    decoder = Decoder(model, batch_size, cfg.prompt_tokens, cfg.new_tokens, device, compiled=False)
+                if graph == "compile":
+                    _static_counters(handle)
+                decoder.run(prompts[0], timer)  # captures / compiles
+                if decoder.fallback_error:
+                    fallbacks.append(f"B={batch_size} {variant.label}: {decoder.fallback_error}")
+                    _static_counters(handle)
+                for r, batch in enumerate(prompts):
+                    if progress is not None:
+                        progress(f"B={batch_size} {variant.label} round {r + 1}/{len(prompts)}")
+                    _measure(decoder, handle, batch, timer, samples[variant.label])
+                del decoder  # the graph goes before the hooks whose counters it writes
+        return samples, fallbacks
+    decoder = Decoder(model, batch_size, cfg.prompt_tokens, cfg.new_tokens, device)
     with torch.no_grad():
         decoder.run(prompts[0], timer, steps=2)  # warm-up: allocator, caches, first-call costs
     for r, batch in enumerate(prompts):
         for variant in rotated(variants, r):
             if progress is not None:
                 progress(f"B={batch_size} {variant.label} round {r + 1}/{len(prompts)}")
-            _measure(decoder, model, variant, batch, timer, samples[variant.label])
-    return samples
+            with oea.attach(model, variant.cfg) as handle:
+                _measure(decoder, handle, batch, timer, samples[variant.label])
+    return samples, fallbacks
 
 
 def identity_check(model: Any, prompts: torch.Tensor, top_k: int, cfg: DecodeBenchConfig, device: str,
-                   vanilla_tokens: torch.Tensor | None = None) -> bool:
-    """Whether OEA with k0 = top_k gives exactly vanilla's greedy tokens on ``prompts`` (both eager)."""
+                   vanilla_tokens: torch.Tensor | None = None) -> tuple[bool, torch.Tensor]:
+    """(whether OEA with k0 = top_k gives exactly vanilla's greedy tokens on ``prompts``, vanilla's tokens),
+    both decoded eagerly; ``vanilla_tokens`` (eager, same prompts) saves the vanilla run."""
     import oea
 
-    decoder = Decoder(model, prompts.shape[0], cfg.prompt_tokens, cfg.new_tokens, device, compiled=False)
+    decoder = Decoder(model, prompts.shape[0], cfg.prompt_tokens, cfg.new_tokens, device)
     timer = StepTimer(device)
     if vanilla_tokens is None:
         with oea.attach(model, None):
             vanilla_tokens, _ = decoder.run(prompts, timer)
     with oea.attach(model, oea.OEAConfig(top_k)):
         tokens, _ = decoder.run(prompts, timer)
-    return bool(torch.equal(tokens, vanilla_tokens))
+    return bool(torch.equal(tokens, vanilla_tokens)), vanilla_tokens
 
 
 def batch_rows(variants: Sequence[Variant], samples: dict[str, _Samples], batch_size: int,
@@ -386,10 +323,10 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: Callable[[str], None] | N
 
     started, load_before = time.perf_counter(), os.getloadavg()
     device = resolve_device(cfg.device)
-    compiled = use_compile(cfg.compile, device)
+    graph = resolve_graph_mode(cfg.graph, device)
     if device == "cpu":
         torch.set_num_threads(cfg.threads)
-    if compiled:  # one graph per (policy, batch size): raise Dynamo's per-function recompile limit
+    if graph != "none":  # compile (also a capture's fallback): one graph per (policy, batch size)
         torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
         torch._dynamo.config.accumulated_recompile_limit = max(512, torch._dynamo.config.accumulated_recompile_limit)
     model, tokenizer, info = load_bench_model(cfg, device)
@@ -399,25 +336,31 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: Callable[[str], None] | N
     rng = np.random.default_rng(cfg.seed)
     rows: list[dict[str, Any]] = []
     identity: dict[int, bool] = {}
+    graph_vs_eager: dict[str, float] = {}
+    fallbacks: list[str] = []
     for batch_size in cfg.batch_sizes:
         prompts = [prompt_batch(streams, batch_size, cfg.prompt_tokens, cfg.seed + 1000 * batch_size + r)
                    for r in range(cfg.rounds)]
-        samples = measure_batch(model, variants, prompts, cfg, device, compiled, progress)
+        samples, errors = measure_batch(model, variants, prompts, cfg, device, graph, progress)
+        fallbacks += errors
         if cfg.check_identity:
-            vanilla_tokens = None if compiled else samples["vanilla"].tokens[0]
-            identity[batch_size] = identity_check(model, prompts[0], top_k, cfg, device, vanilla_tokens)
+            vanilla_tokens = None if graph != "none" else samples["vanilla"].tokens[0]
+            identity[batch_size], eager = identity_check(model, prompts[0], top_k, cfg, device, vanilla_tokens)
+            if graph != "none":  # a correct capture replays eager's kernels: same greedy tokens
+                graph_vs_eager[str(batch_size)] = float((samples["vanilla"].tokens[0] == eager).float().mean())
         rows.extend(batch_rows(variants, samples, batch_size, rng))
     result: dict[str, Any] = {
         "config": {**cfg.__dict__, "policies": list(cfg.policies), "k0s": list(cfg.k0s),
                    "batch_sizes": list(cfg.batch_sizes)},
-        "device": device, "compiled": compiled, "machine": machine_description(device, cfg.threads),
+        "device": device, "graph": graph, "graph_fallbacks": fallbacks,
+        "graph_token_match_vs_eager": graph_vs_eager, "machine": machine_description(device, cfg.threads),
         "model": info, "top_k": top_k, "rows": rows,
         "identity": {str(b): ok for b, ok in identity.items()},
         "k0_top_k_identical": all(identity.values()) if identity else None,
         "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
         "wall_s": time.perf_counter() - started,
     }
-    if compiled:
+    if graph != "none":
         from torch._dynamo.utils import counters
 
         result["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])

@@ -28,7 +28,7 @@ def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
         model=args.model, like=like, moe_intermediate_size=args.moe_intermediate_size,
         policies=tuple(args.policies), k0s=tuple(args.k0), batch_sizes=tuple(args.batch_sizes),
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds, threads=args.threads,
-        device=args.device, dtype=args.dtype, compile=args.compile, seed=args.seed,
+        device=args.device, dtype=args.dtype, graph=args.graph, seed=args.seed,
         check_identity=not args.no_identity_check,
     )
 
@@ -39,7 +39,8 @@ def render_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     model = result["model"]
-    title = (f"decode step, {result['device']}{' (CUDA graphs)' if result['compiled'] else ''}: {model['model']} "
+    mode = {"none": "", "capture": " (CUDA graph)", "compile": " (torch.compile)"}[result["graph"]]
+    title = (f"decode step, {result['device']}{mode}: {model['model']} "
              f"(expert intermediate {model['moe_intermediate_size']})")
     table = Table(title=title)
     for column in ("B", "policy", "T / layer", "step ms [95% CI]", "tok/s", "× vanilla [95% CI]", "same tokens"):
@@ -52,6 +53,11 @@ def render_table(result: dict[str, Any]) -> None:
                       f"{row['ratio_vs_vanilla']:.3f} [{rlo:.3f}–{rhi:.3f}]", f"{row['token_match_vs_vanilla']:.0%}")
     console = Console(width=max(120, Console().width))
     console.print(table)
+    for error in result["graph_fallbacks"]:
+        console.print(f"[yellow]capture failed, compiled instead: {error}[/]")
+    if result["graph_token_match_vs_eager"]:
+        console.print("vanilla greedy tokens, graph vs eager: " + ", ".join(
+            f"B={b}: {m:.0%}" for b, m in result["graph_token_match_vs_eager"].items()))
     if result["identity"]:
         verdict = "identical" if result["k0_top_k_identical"] else "DIFFERENT"
         console.print(f"k0 = top_k ({result['top_k']}) vs vanilla greedy tokens: {verdict} "
@@ -143,8 +149,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         description="Batched greedy decode of held-out prompts through transformers with a static KV cache; "
         "per-step latency (median, bootstrap 95%% CI), ratio to OEA off (paired bootstrap CI), active experts "
         "per layer, tokens/s, and a check that k0 = top_k gives OEA off's tokens. Default model: the embedded "
-        "model inflated in memory to Qwen3-30B-A3B's expert size. CPU: eager; CUDA: CUDA graphs "
-        "(torch.compile mode reduce-overhead).",
+        "model inflated in memory to Qwen3-30B-A3B's expert size. CPU: eager; CUDA: the step captured in a "
+        "CUDA graph (torch.compile reduce-overhead as fallback).",
     )
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the embedded model)")
     p.add_argument("--like", metavar="PRESET",
@@ -160,8 +166,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (CUDA graphs on CUDA; default: on CUDA only)")
+    p.add_argument("--graph", default="auto", choices=["auto", "none", "capture", "compile"],
+                   help="decode step as a captured CUDA graph (capture), torch.compile reduce-overhead (compile) or "
+                   "eager (none); auto: capture on CUDA, none on CPU")
     p.add_argument("--no-identity-check", action="store_true", help="skip the k0 = top_k identical-tokens check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="PATH", help="PNG of step latency and ratio to vanilla vs batch size")
