@@ -10,12 +10,19 @@ variable                    alias                       meaning
 ``OEA_MAX_EXPERTS``                                     cap per token after piggybacking (top_k)
 ``OEA_GROUP_FILL``                                      ``in`` or ``cross`` (grouped routers only)
 ``OEA_APPLY_TO_VERIFY``                                 ``1`` also reroutes speculative verify steps
-``OEA_LAYER_K0_FILE``                                   k0 per layer (``LayerK0Schedule`` JSON)
+``OEA_LAYER_K0_FILE``                                   k0 per layer, optionally per batch-size range
+                                                        (``LayerK0Schedule`` JSON; ``layer_k0_policies``)
 ``OEA_METRICS_FILE``                                    where engine plugins write active-expert counts
 ==========================  ==========================  =============================================
 
 A malformed value raises ``ValueError`` naming the variable, at plugin start-up: serving with a
 silently wrong configuration is worse than not starting.
+
+Reading ``OEA_LAYER_K0_FILE`` is one call for every engine: ``layer_k0_policies(settings, num_experts,
+top_k, num_layers)`` returns one routing config per MoE layer (``OEAConfig``, or ``AdaptiveK0Config``
+when the file holds a per-batch-size schedule), built with ``OEA_MIN_BATCH``, ``OEA_MAX_EXPERTS`` and
+``OEA_GROUP_FILL``; engines that meet layers one at a time use ``layer_k0_schedule(settings)`` and
+``schedule.config_for_layer(schedule.index_of_layer_id(layer_id), **layer_config_options(settings))``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from oea.routing.schedules import AdaptiveK0Config, LayerK0Schedule
 from oea.routing.spec import GROUP_FILLS, OEAConfig
 
 ALIASES: dict[str, str] = {"OEA_K0": "SGLANG_OEA_K0", "OEA_MIN_BATCH": "SGLANG_OEA_MIN_BATCH"}
@@ -38,6 +46,9 @@ class EnvSettings:
     layer_k0_file: str | None = None
     metrics_file: str | None = None
     source: dict[str, str] | None = None  # variable -> raw value actually read
+    min_batch: int | None = None  # OEA_MIN_BATCH when set (also without OEA_K0)
+    max_experts: int | None = None  # OEA_MAX_EXPERTS when set
+    group_fill: str = "in"  # OEA_GROUP_FILL
 
 
 def _lookup(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
@@ -106,7 +117,78 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         layer_k0_file=_path(env, "OEA_LAYER_K0_FILE"),
         metrics_file=_path(env, "OEA_METRICS_FILE"),
         source=source,
+        min_batch=None if min_batch is None else min_batch[1],
+        max_experts=None if max_experts is None else max_experts[1],
+        group_fill=group_fill,
     )
+
+
+def read_layer_k0_file(path: str | os.PathLike[str]) -> LayerK0Schedule:
+    """Read an ``OEA_LAYER_K0_FILE`` (``LayerK0Schedule.to_json`` form).
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming the file and the field
+    for bad JSON or a bad field.
+    """
+    import json
+    import pathlib
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"per-layer k0 file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"per-layer k0 file {path}: not valid JSON ({err})") from None
+    return LayerK0Schedule.from_json(data, str(path))
+
+
+def write_layer_k0_file(schedule: LayerK0Schedule, path: str | os.PathLike[str]) -> None:
+    """Write ``schedule`` as an ``OEA_LAYER_K0_FILE`` (JSON)."""
+    import json
+    import pathlib
+
+    pathlib.Path(path).write_text(json.dumps(schedule.to_json(), indent=2) + "\n")
+
+
+def layer_k0_schedule(settings: EnvSettings) -> LayerK0Schedule | None:
+    """The schedule in ``OEA_LAYER_K0_FILE`` (``None`` when unset); errors name the variable and the file."""
+    if not settings.layer_k0_file:
+        return None
+    try:
+        return read_layer_k0_file(settings.layer_k0_file)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file!r}: {err}") from None
+
+
+def layer_config_options(settings: EnvSettings) -> dict[str, object]:
+    """``LayerK0Schedule.config_for_layer`` keywords from the environment (min_batch, max_experts, group_fill)."""
+    return {"min_batch": settings.min_batch, "max_experts": settings.max_experts, "group_fill": settings.group_fill}
+
+
+def layer_k0_policies(
+    settings: EnvSettings, num_experts: int, top_k: int, num_layers: int
+) -> list[OEAConfig | AdaptiveK0Config] | None:
+    """One routing config per MoE layer (model order) from ``OEA_LAYER_K0_FILE``; ``None`` when unset.
+
+    Raises ``ValueError`` naming the variable and the file when the file is missing, malformed or
+    calibrated for another model, or when ``OEA_MAX_EXPERTS`` is below a layer's k0.
+    """
+    schedule = layer_k0_schedule(settings)
+    if schedule is None:
+        return None
+    where = f"OEA_LAYER_K0_FILE={settings.layer_k0_file!r}"
+    try:
+        schedule.check_model(num_experts, top_k, num_layers)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    options = layer_config_options(settings)
+    policies: list[OEAConfig | AdaptiveK0Config] = []
+    for layer in range(num_layers):
+        try:
+            policies.append(schedule.config_for_layer(layer, **options))  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ValueError(f"{where} with OEA_MAX_EXPERTS={settings.max_experts}: layer {layer}: {err}") from None
+    return policies
 
 
 def check_k0_against(cfg: OEAConfig, top_k: int, variable: str = "OEA_K0") -> None:

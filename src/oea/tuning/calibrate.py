@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +18,8 @@ import oea
 from oea.routing import AdaptiveK0Config, LayerK0Schedule, OEAConfig
 from oea.sim.simulate import LayerBatches, core_metrics, make_batches, route_batches, router_inputs
 from oea.traces import Trace
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,27 @@ def adaptive_schedule(points: Sequence[ProxyPoint], tolerance: float, top_k: int
     sizes = sorted({p.batch_size for p in mean})
     if not sizes:
         raise ValueError("no calibration points: measure at least one batch size")
-    schedule = [(sizes[0] - 1, top_k)] if sizes[0] > 1 else []
-    for i, b in enumerate(sizes):
-        k0 = _smallest_k0((p for p in mean if p.batch_size == b), tolerance, top_k)
-        upper = sizes[i + 1] - 1 if i + 1 < len(sizes) else b
-        schedule.append((upper, k0))
-    merged: list[tuple[int, int]] = []
-    for upper, k0 in schedule:  # collapse neighbours with the same k0
+    chosen = {b: _smallest_k0((p for p in mean if p.batch_size == b), tolerance, top_k) for b in sizes}
+    return AdaptiveK0Config(tuple(range_entries(chosen, top_k)))
+
+
+def range_entries(chosen: dict[int, K], vanilla: K) -> list[tuple[int, K]]:
+    """``{calibrated batch size: k0}`` -> ``[(max_batch, k0), ...]`` as in ``AdaptiveK0Config``.
+
+    A calibrated size covers the batches up to the next calibrated size - 1, the largest size every
+    batch beyond; batches below the smallest size get ``vanilla``. Neighbours with equal k0 collapse.
+    ``k0`` may be an int or a per-layer tuple.
+    """
+    sizes = sorted(chosen)
+    entries = [(sizes[0] - 1, vanilla)] if sizes[0] > 1 else []
+    entries += [(sizes[i + 1] - 1 if i + 1 < len(sizes) else b, chosen[b]) for i, b in enumerate(sizes)]
+    merged: list[tuple[int, K]] = []
+    for upper, k0 in entries:
         if merged and merged[-1][1] == k0:
             merged[-1] = (upper, k0)
         else:
             merged.append((upper, k0))
-    return AdaptiveK0Config(tuple(merged))
+    return merged
 
 
 def adaptive_schedule_from_eval(
