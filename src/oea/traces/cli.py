@@ -126,11 +126,12 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="router family stored in the spec (default: softmax)")
     g.add_argument("--no-renormalize", action="store_true",
                    help="the router does not renormalise the top-k weights (spec.renormalize = false)")
-    g.add_argument("--name", dest="trace_name", default=None, help="trace name (default: FILE's stem)")
+    g.add_argument("--name", dest="trace_name", default=None, metavar="NAME", help="trace name (default: FILE's stem)")
     g.add_argument("--sort-by-scores", action="store_true",
                    help="reorder each row by descending score (inputs not stored best first)")
     g.add_argument("--model", default=None, help="model name stored in the sidecar")
-    g.add_argument("--model-preset", default=None, help="built-in model preset for latency (see `oea presets`)")
+    g.add_argument("--model-preset", default=None, metavar="NAME",
+                   help="built-in model preset for latency (see `oea presets`)")
     g.add_argument("--source", default=None, help="where the data comes from (sidecar 'source')")
     g.add_argument("--licence", default=None, help="licence of the data (sidecar 'licence')")
     p.set_defaults(handler=_traces)
