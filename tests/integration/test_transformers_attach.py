@@ -56,15 +56,24 @@ class _RouterRecorder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        self.handles = [layer.router.register_forward_hook(self._make(layer.name)) for layer in find_moe_layers(model)]
+        self.own_top1: list[torch.Tensor] = []  # per call: [rows] the router's own first choice
+        self.handles = [layer.router.register_forward_hook(self._make(layer.name, layer.spec))
+                        for layer in find_moe_layers(model)]
 
-    def _make(self, name: str):
+    def _make(self, name: str, spec: oea.RouterSpec):
         def hook(module, args, output):
             if args[0].dim() == 3 and args[0].shape[1] != 1:  # DeepSeek-style gates see [B, S, H]
                 return
             if args[0].dim() == 2 and args[0].shape[0] != BATCH:  # flattening gates see [B*S, H]
                 return
             self.calls.append((name, output[2].detach().clone(), output[1].detach().float().clone()))
+            with torch.no_grad():  # the model's own router on the same input (.forward skips every hook)
+                logits, _, own_ids = module.forward(*args)
+                score = logits.reshape(own_ids.shape[0], -1).float()  # selection score: logits or biased sigmoid
+                if spec.scoring == "sigmoid":
+                    score = score.sigmoid() + (0 if spec.correction_bias is None else spec.correction_bias.float())
+                best = score.gather(1, own_ids).argmax(dim=1, keepdim=True)  # some routers return top-k unsorted
+                self.own_top1.append(own_ids.gather(1, best).squeeze(1))
 
         return hook
 
@@ -132,11 +141,11 @@ def test_k0_below_k_reduces_active_experts_in_every_layer_and_leaves_prefill_alo
         stats = handle.stats()
         last = handle.last_active_experts()
     assert len(recorder.calls) == 2 * (NEW - 1)
-    for _, ids, weights in recorder.calls:
+    for (_, ids, weights), own_top1 in zip(recorder.calls, recorder.own_top1, strict=True):
         assert ids.dtype == torch.int64 and ids.shape == (BATCH, TOP_K)
         assert bool(((ids >= 0) & (ids < 16)).all()), "filler must never be an out-of-range id"
         real = weights != 0
-        assert bool(real[:, 0].all()), "each row keeps its own top-1"
+        assert torch.equal(ids[:, 0], own_top1) and bool(real[:, 0].all()), "each row keeps its own top-1"
         for row_ids, row_real in zip(ids, real, strict=True):  # non-zero-weight experts are distinct
             assert len(set(row_ids[row_real].tolist())) == int(row_real.sum())
             assert set(row_ids[~row_real].tolist()) <= set(row_ids[row_real].tolist())  # zero-weight copies
