@@ -11,7 +11,7 @@ from typing import Any
 
 from oea.console import wide_console
 from oea.sim import presets_cli
-from oea.sim.presets_cli import add_model_preset_file_argument
+from oea.sim.preset_file import add_model_preset_file_argument
 
 
 @contextlib.contextmanager

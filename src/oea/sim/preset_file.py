@@ -166,6 +166,13 @@ def resolve_model_preset(name: str | None, file: str | None, name_flag: str = "-
     return None
 
 
+def add_model_preset_file_argument(parser: Any) -> None:
+    """``--model-preset-file FILE`` on an ``argparse`` parser (shared by every command that predicts latency)."""
+    parser.add_argument("--model-preset-file", default=None, metavar="FILE",
+                        help="user model preset (JSON or TOML; fields in docs/presets.md) instead of a built-in "
+                             "name; its tp/ep are used unless --tp/--ep are given")
+
+
 def parallel_degrees(preset: PresetFile | None, tp: int | None, ep: int | None) -> tuple[int, int | None]:
     """``(tp, ep)``: a command-line flag wins, then the preset file's value; tp defaults to 1, ep to ``None``."""
     file_tp = preset.tp if preset is not None else None

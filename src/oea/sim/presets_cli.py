@@ -1,5 +1,4 @@
-"""``oea presets`` (built-in model and accelerator presets, or a user preset file) and the shared
-``--model-preset-file`` flag of the commands that predict latency."""
+"""``oea presets``: the built-in model and accelerator presets (and a user preset file, validated)."""
 
 from __future__ import annotations
 
@@ -8,12 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-
-def add_model_preset_file_argument(parser: argparse.ArgumentParser) -> None:
-    """``--model-preset-file FILE``: a user model preset (JSON/TOML) instead of a built-in one."""
-    parser.add_argument("--model-preset-file", default=None, metavar="FILE",
-                        help="user model preset (JSON or TOML; fields in docs/presets.md) instead of a built-in "
-                             "name; its tp/ep are used unless --tp/--ep are given")
+from oea.sim.preset_file import add_model_preset_file_argument
 
 
 def model_row(preset: Any) -> dict[str, Any]:
