@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # Each module defines ``register(commands, bench)`` adding parsers with ``set_defaults(handler=...)``;
 # a handler takes the parsed ``argparse.Namespace`` and returns an exit code.
@@ -29,9 +30,32 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` after a flag's help unless the help already says it, or there is
+    nothing to show (``None``, ``False`` of a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line (``oea CMD: error: argument --flag: ...``),
+    exit status 2; every subcommand parser is one of these (argparse builds subparsers of the same class)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``oea`` parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="oea",
         description="Opportunistic Expert Activation: batch-aware decode-time MoE routing (arXiv:2511.02237).",
     )

@@ -4,8 +4,8 @@ Every figure a user reads should carry its interval; the tools take them from he
 
 * ``mean_interval``: mean ± Student-t interval (the default for a mean over independent items).
 * ``bootstrap_interval`` / ``mean_bootstrap_interval`` / ``median_interval``: percentile bootstrap.
-* ``ratio_of_medians_interval``: median(a) / median(b), resampled in pairs (same round / item) or
-  independently.
+* ``ratio_of_medians_interval`` / ``ratio_of_means_interval``: median(a) / median(b) or mean(a) /
+  mean(b), resampled in pairs (same round / item) or independently.
 * ``paired_difference``: per-item differences, their standard error, t interval and the paired
   two-sided t-test (the rule is stated on ``PairedDifference``).
 * ``linear_fit`` / ``r_squared``: ordinary least squares with R².
@@ -254,6 +254,29 @@ def median_interval(
     return bootstrap_interval(values, rng, _median, resamples, level)
 
 
+def _ratio_interval(
+    numerator: Sequence[float], denominator: Sequence[float], rng: np.random.Generator, paired: bool,
+    statistic: Statistic, name: str, resamples: int, level: float,
+) -> Interval:
+    _check_level(level)
+    _check_resamples(resamples)
+    num, den = _values(numerator, "numerator"), _values(denominator, "denominator")
+    if paired and num.size != den.size:
+        raise ValueError(f"a paired ratio needs samples of equal length, got {num.size} and {den.size}")
+    if paired:
+        rounds = rng.integers(0, num.size, size=(resamples, num.size))
+        num_draws, den_draws = num[rounds], den[rounds]
+    else:
+        num_draws = num[rng.integers(0, num.size, size=(resamples, num.size))]
+        den_draws = den[rng.integers(0, den.size, size=(resamples, den.size))]
+    den_stats = statistic(den_draws)
+    if np.any(den_stats == 0):
+        raise ValueError(f"denominator {name} is 0 in the data or a resample; the ratio is undefined")
+    low, high = _percentiles(statistic(num_draws) / den_stats, level)
+    estimate = float(statistic(num[None, :])[0] / statistic(den[None, :])[0])
+    return Interval(estimate, low, high, level, "paired bootstrap" if paired else "bootstrap")
+
+
 def ratio_of_medians_interval(
     numerator: Sequence[float],
     denominator: Sequence[float],
@@ -269,23 +292,24 @@ def ratio_of_medians_interval(
     instead of widening the interval; the sequences must have equal length. ``paired=False``:
     each sequence is resampled on its own (any lengths). Denominator medians must be non-zero.
     """
-    _check_level(level)
-    _check_resamples(resamples)
-    num, den = _values(numerator, "numerator"), _values(denominator, "denominator")
-    if paired and num.size != den.size:
-        raise ValueError(f"a paired ratio needs samples of equal length, got {num.size} and {den.size}")
-    if paired:
-        rounds = rng.integers(0, num.size, size=(resamples, num.size))
-        num_draws, den_draws = num[rounds], den[rounds]
-    else:
-        num_draws = num[rng.integers(0, num.size, size=(resamples, num.size))]
-        den_draws = den[rng.integers(0, den.size, size=(resamples, den.size))]
-    den_medians = np.median(den_draws, axis=-1)
-    if np.any(den_medians == 0):
-        raise ValueError("denominator median is 0 in the data or a resample; the ratio is undefined")
-    low, high = _percentiles(np.median(num_draws, axis=-1) / den_medians, level)
-    estimate = float(np.median(num) / np.median(den))
-    return Interval(estimate, low, high, level, "paired bootstrap" if paired else "bootstrap")
+    return _ratio_interval(numerator, denominator, rng, paired, _median, "median", resamples, level)
+
+
+def ratio_of_means_interval(
+    numerator: Sequence[float],
+    denominator: Sequence[float],
+    rng: np.random.Generator,
+    paired: bool,
+    resamples: int = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
+) -> Interval:
+    """``mean(numerator) / mean(denominator)`` with a percentile bootstrap interval.
+
+    As ``ratio_of_medians_interval`` (``paired`` resamples whole pairs: e.g. a policy's and vanilla's
+    active experts on the same batches), for quantities whose mean is the figure of interest
+    (active experts per batch). Denominator means must be non-zero.
+    """
+    return _ratio_interval(numerator, denominator, rng, paired, _mean, "mean", resamples, level)
 
 
 # ---------------------------------------------------------------- paired comparisons
@@ -387,6 +411,7 @@ __all__ = [
     "median_interval",
     "paired_difference",
     "r_squared",
+    "ratio_of_means_interval",
     "standard_error",
     "t_quantile",
     "t_two_sided_p",

@@ -52,7 +52,10 @@ def test_rows_and_fields(rows) -> None:
     for r in rows:
         assert set(r) >= FIELDS
         assert r["batch_size"] == 4 and r["documents"] == 8 and r["tokens"] == 2 * 4 * 12
-        assert r["verdict"] in ("worse", "no worse")
+        assert r["verdict"] in ("reference", "worse", "better", "no significant difference")
+        assert r["paper_verdict"] in ("reference", "worse", "no worse")
+        low, high = r["cross_entropy_ci"]
+        assert low < r["cross_entropy"] < high and r["mean_active_experts_ci"] is not None
         assert math.isfinite(r["cross_entropy"]) and r["stderr"] > 0
 
 

@@ -32,7 +32,7 @@ class _Tokenizer:
 
     bos_token_id, eos_token_id = 1, 2
 
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+    def __call__(self, text: str, add_special_tokens: bool = False, verbose: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [3 + i for i in range(len(text))]}
 
 
@@ -49,7 +49,9 @@ def _fake_run(model: Any, cfg: object | None, batches: list, generate_tokens: in
             level = DOC_CE[doc] + (DOC_DELTA[doc] if cfg is not None else 0.0) + (0.5 if window == 0 else -0.5)
             rows.append([level + (0.25 if t % 2 == 0 else -0.25) for t in range(POSITIONS)])
         losses.append(torch.tensor(rows, dtype=torch.float32))
-    counts = DecodeCounts(layer_steps=1, rows=4, active_total=8.0 if cfg is None else 5.0, slots_total=32.0)
+    steps = len(batches) * POSITIONS
+    counts = DecodeCounts(layer_steps=1, rows=4, active_total=8.0 if cfg is None else 5.0, slots_total=32.0,
+                          step_active=[8.0 if cfg is None else 5.0] * steps, step_experts_per_token=[8.0] * steps)
     return {"losses": losses, "counts": counts, "generated": None}
 
 
@@ -89,6 +91,8 @@ def test_delta_stderr_is_paired_per_document(rows: list[dict[str, Any]]) -> None
     assert oea_row["delta_stderr"] == pytest.approx(math.sqrt(0.016 / 6), abs=1e-6)
     unpaired = math.hypot(vanilla["stderr"], oea_row["stderr"])
     assert oea_row["delta_stderr"] < unpaired / 10  # what an unpaired error would wrongly report
-    # the paper's criterion compares the two intervals (overlapping here): not worse
-    assert oea_row["verdict"] == "no worse"
+    # the paper's criterion compares the two intervals (overlapping here): not worse; the paired t-test
+    # (t = 0.2 / sqrt(0.016 / 6) = 3.87, 5 degrees of freedom, p = 0.0117) calls it worse
+    assert oea_row["paper_verdict"] == "no worse"
+    assert oea_row["verdict"] == "worse" and oea_row["delta_p_value"] == pytest.approx(0.01174, abs=1e-4)
     assert oea_row["active_vs_vanilla"] == pytest.approx(5.0 / 8.0)

@@ -1,30 +1,20 @@
-"""Pure logic of ``oea.eval``: the standard-error verdict, mean/se and document batching."""
+"""Pure logic of ``oea.eval``: the paper's standard-error rule (shown beside the paired verdict), document batching."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from oea.eval import mean_and_stderr, verdict  # noqa: E402
+from oea.eval import paper_verdict  # noqa: E402
 from oea.eval.sequences import make_batches  # noqa: E402
 
 
-def test_verdict_uses_non_overlapping_intervals_in_the_bad_direction() -> None:
-    assert verdict(3.30, 0.05, 3.20, 0.04) == "worse"  # 3.25 > 3.24
-    assert verdict(3.28, 0.05, 3.20, 0.04) == "no worse"  # 3.23 <= 3.24: intervals overlap
-    assert verdict(3.00, 0.01, 3.20, 0.01) == "no worse"  # better is never worse
-    assert verdict(3.20, 0.0, 3.20, 0.0) == "no worse"
-
-
-def test_mean_and_stderr() -> None:
-    mean, se = mean_and_stderr([1.0, 2.0, 3.0, 4.0])
-    assert mean == 2.5 and se == pytest.approx(math.sqrt(1.6666666666666667 / 4))
-    assert mean_and_stderr([5.0]) == (5.0, 0.0)
-    with pytest.raises(ValueError):
-        mean_and_stderr([])
+def test_paper_rule_uses_non_overlapping_intervals_in_the_bad_direction() -> None:
+    assert paper_verdict(3.30, 0.05, 3.20, 0.04) == "worse"  # 3.25 > 3.24
+    assert paper_verdict(3.28, 0.05, 3.20, 0.04) == "no worse"  # 3.23 <= 3.24: intervals overlap
+    assert paper_verdict(3.00, 0.01, 3.20, 0.01) == "no worse"  # better is never worse
+    assert paper_verdict(3.20, 0.0, 3.20, 0.0) == "no worse"
 
 
 def _windows(lengths: list[int]) -> list[list[torch.Tensor]]:

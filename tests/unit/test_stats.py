@@ -18,6 +18,7 @@ from oea.stats import (
     median_interval,
     paired_difference,
     r_squared,
+    ratio_of_means_interval,
     ratio_of_medians_interval,
     standard_error,
     t_quantile,
@@ -164,6 +165,24 @@ def test_paired_ratio_cancels_shared_variation_and_unpaired_does_not():
     assert paired.high - paired.low < 0.05 < unpaired.high - unpaired.low
     assert paired.method == "paired bootstrap" and unpaired.method == "bootstrap"
     assert ratio_of_medians_interval([1.0, 2.0, 3.0], [2.0, 4.0], rng, paired=False).estimate == pytest.approx(2 / 3)
+
+
+def test_ratio_of_means_is_paired_by_item_and_matches_a_loop_over_the_same_draws():
+    rng = np.random.default_rng(3)
+    batch_effect = rng.uniform(20, 60, 40)  # e.g. vanilla T per batch; the policy's T follows it
+    vanilla = batch_effect
+    policy = 0.5 * batch_effect + rng.normal(0, 0.2, 40)
+    paired = ratio_of_means_interval(policy, vanilla, np.random.default_rng(5), paired=True, resamples=300)
+    assert paired.estimate == pytest.approx(policy.mean() / vanilla.mean())
+    draws = np.random.default_rng(5).integers(0, 40, size=(300, 40))
+    ratios = np.array([policy[d].mean() / vanilla[d].mean() for d in draws])
+    assert paired.bounds == pytest.approx((np.quantile(ratios, 0.025), np.quantile(ratios, 0.975)))
+    unpaired = ratio_of_means_interval(policy, vanilla, rng, paired=False, resamples=300)
+    assert paired.high - paired.low < (unpaired.high - unpaired.low) / 5
+    exact = ratio_of_means_interval([1.0, 2.0, 3.0], [2.0, 4.0, 6.0], rng, paired=True)
+    assert exact.bounds == (0.5, 0.5) and exact.method == "paired bootstrap"
+    with pytest.raises(ValueError, match="denominator mean is 0"):
+        ratio_of_means_interval([1.0, 2.0], [1.0, -1.0], rng, paired=True)
 
 
 def test_bad_input_is_named():

@@ -5,6 +5,7 @@ applied; ``oea.eval.lm_eval_bridge`` runs lm-evaluation-harness tasks with OEA a
 transformers (and lm-eval) are imported lazily.
 """
 
-from oea.eval.evaluate import POLICIES, evaluate, mean_and_stderr, verdict
+from oea.eval.evaluate import POLICIES, evaluate
+from oea.eval.summary import PAPER_RULE, VERDICT_RULE, paper_verdict
 
-__all__ = ["POLICIES", "evaluate", "mean_and_stderr", "verdict"]
+__all__ = ["PAPER_RULE", "POLICIES", "VERDICT_RULE", "evaluate", "paper_verdict"]

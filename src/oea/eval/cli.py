@@ -7,8 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
+
+from oea.console import (
+    add_batch_sizes_argument,
+    check_unique,
+    float_between,
+    format_interval,
+    int_at_least,
+    wide_console,
+)
+
+POLICY_CHOICES = ["vanilla", "pruned", "oea"]
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -16,27 +26,34 @@ def _eval(args: argparse.Namespace) -> int:
 
     from oea.eval.evaluate import evaluate
 
+    check_unique(args.policies, "--policies")
+    check_unique(args.k0, "--k0")
+    check_unique(args.batch_sizes, "--batch-sizes")
     torch.set_num_threads(args.threads)
     generate_tokens = 0 if args.no_generate else args.generate_tokens
+    options = {"batch_sizes": args.batch_sizes, "k0s": args.k0, "policies": args.policies,
+               "num_batches": args.num_batches, "positions": args.positions, "seed": args.seed,
+               "generate_tokens": generate_tokens}
     if args.json:
-        rows = evaluate(
-            args.model, batch_sizes=args.batch_sizes, k0s=args.k0, policies=args.policies,
-            num_batches=args.num_batches, positions=args.positions, seed=args.seed, generate_tokens=generate_tokens,
-        )
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(evaluate(args.model, **options), indent=1))
         return 0
     from rich.console import Console
 
-    console = Console(stderr=True)
-    with console.status("evaluating") as status:
-        rows = evaluate(
-            args.model, batch_sizes=args.batch_sizes, k0s=args.k0, policies=args.policies,
-            num_batches=args.num_batches, positions=args.positions, seed=args.seed, generate_tokens=generate_tokens,
-            progress=lambda text: status.update(f"evaluating {text}"),
-        )
-    width = None if sys.stdout.isatty() else 160  # keep the table whole when piped or captured
-    Console(width=width).print(results_table(rows, args.model or "embedded model"))
+    with Console(stderr=True).status("evaluating") as status:
+        rows = evaluate(args.model, progress=lambda text: status.update(f"evaluating {text}"), **options)
+    console = wide_console()
+    console.print(results_table(rows, args.model or "embedded model"))
+    console.print(verdict_note(rows))
     return 0
+
+
+def verdict_note(rows: list[dict[str, Any]]) -> str:
+    """The rules behind the table's two verdict columns."""
+    from oea.eval.summary import PAPER_RULE
+
+    rule = rows[0]["verdict_rule"] if rows else ""
+    return (f"[...] = 95% interval. verdict: {rule}; 'worse'/'better' when the interval of ΔCE excludes 0. "
+            f"paper rule (for comparison): {PAPER_RULE}. T and experts/token: means over decode steps.")
 
 
 def results_table(rows: list[dict[str, Any]], title: str) -> Any:
@@ -44,33 +61,61 @@ def results_table(rows: list[dict[str, Any]], title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=f"oea eval: {title}")
-    for name in ("B", "policy", "k0", "CE ± se", "ΔCE ± se", "verdict", "active experts", "vs vanilla",
-                 "experts/token", "gen. agreement", "docs"):
-        table.add_column(name, justify="left" if name in ("policy", "verdict") else "right")
+    for name in ("B", "policy", "k0", "CE (nats)", "ΔCE vs vanilla", "p", "verdict (paired)", "paper rule",
+                 "active experts T", "T / vanilla", "experts/token", "gen. agreement", "docs"):
+        table.add_column(name, justify="left" if name in ("policy", "verdict (paired)", "paper rule") else "right")
     for r in rows:
         agreement = r["generation_agreement"]
-        ratio = r["active_vs_vanilla"]
         table.add_row(
             str(r["batch_size"]), r["policy"], "-" if r["k0"] is None else str(r["k0"]),
-            f"{r['cross_entropy']:.4f} ± {r['stderr']:.4f}", f"{r['delta_ce']:+.4f} ± {r['delta_stderr']:.4f}",
-            r["verdict"], f"{r['mean_active_experts']:.1f}", "-" if ratio is None else f"{ratio:.2f}",
-            f"{r['mean_experts_per_token']:.2f}", "-" if agreement is None else f"{agreement:.1%}",
+            format_interval(r["cross_entropy"], r["cross_entropy_ci"], 4),
+            format_interval(r["delta_ce"], r["delta_ce_ci"], 4, signed=True), f"{r['delta_p_value']:.2g}",
+            r["verdict"], r["paper_verdict"],
+            format_interval(r["mean_active_experts"], r["mean_active_experts_ci"], 1),
+            format_interval(r["active_vs_vanilla"], r["active_vs_vanilla_ci"], 2),
+            format_interval(r["mean_experts_per_token"], r["mean_experts_per_token_ci"], 2),
+            "-" if agreement is None else format_interval(100 * agreement, _percent(r["generation_agreement_ci"]), 0),
             str(r["documents"]),
         )
     return table
 
 
+def _percent(ci: list[float] | None) -> list[float] | None:
+    return None if ci is None else [100 * ci[0], 100 * ci[1]]
+
+
 def _lm_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from oea.eval.lm_eval_bridge import run_lm_eval
+    from oea.eval.lm_eval_bridge import check_lm_eval_arguments, run_lm_eval
 
+    check_unique(args.batch_sizes, "--batch-sizes")
+    check_lm_eval_arguments(args.policy, args.k0, args.include_path)
     torch.set_num_threads(args.threads)
-    results = run_lm_eval(
-        args.model, args.tasks, k0=args.k0, policy=args.policy, batch_size=args.batch_size, limit=args.limit,
-        include_path=args.include_path, num_fewshot=args.num_fewshot, decode_only=not args.all_forwards,
-    )
-    print(json.dumps(results, indent=1, default=str))
+    runs = []
+    for batch_size in args.batch_sizes:
+        result = run_lm_eval(
+            args.model, args.tasks, k0=args.k0, policy=args.policy, batch_size=batch_size, limit=args.limit,
+            include_path=args.include_path, num_fewshot=args.num_fewshot, decode_only=not args.all_forwards,
+        )
+        runs.append({"batch_size": batch_size, **result})
+    if args.json:
+        print(json.dumps(runs, indent=1, default=str))
+        return 0
+    console = wide_console()
+    for run in runs:
+        routing = run["oea"]
+        console.print(f"B={run['batch_size']} policy={routing['policy']} k0={routing['k0']}: "
+                      f"{routing['decode_steps']} decode steps, active experts per layer and step "
+                      f"{routing['mean_active_experts']:.1f} (vanilla routing would load "
+                      f"{routing['mean_active_experts_vanilla']:.1f}), experts/token "
+                      f"{routing['mean_experts_per_token']:.2f}")
+        for task, metrics in run["results"].items():
+            shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items()
+                              if isinstance(value, float) and "stderr" not in name)
+            errors = {name.replace("_stderr", ""): value for name, value in metrics.items()
+                      if "_stderr" in name and isinstance(value, float)}
+            console.print(f"  {task}: {shown}" + (f" (lm-eval stderr: {errors})" if errors else ""))
     return 0
 
 
@@ -79,34 +124,48 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "eval",
         help="cross-entropy / active experts / generation agreement of OEA vs pruned vs vanilla",
         description="Teacher-forced lock-step batched decoding on held-out text: per batch size B, B windows "
-        "of different documents advance one token per decode step with the policy attached.",
+        "of different documents advance one token per decode step with the policy attached. The verdict is "
+        "the paired t-test on per-document ΔCE; every mean carries its 95% interval.",
     )
-    p.add_argument("--model", default=None, metavar="PATH", help="HF checkpoint directory (default: embedded model)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], metavar="B")
-    p.add_argument("--k0", type=int, nargs="+", default=[3, 5], help="k0 values, each in 1..top_k")
-    p.add_argument("--policies", nargs="+", default=["vanilla", "pruned", "oea"],
-                   choices=["vanilla", "pruned", "oea"])
-    p.add_argument("--positions", type=int, default=32, help="decode steps (scored tokens) per window")
-    p.add_argument("--num-batches", type=int, default=None, help="batches per B (default: ceil(16 / B))")
-    p.add_argument("--generate-tokens", type=int, default=16, help="greedy tokens for the agreement check")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="HF checkpoint directory with its tokenizer (default: the embedded model)")
+    add_batch_sizes_argument(p, [1, 4, 16],
+                             "decode batch sizes B (windows of different documents decoded together)")
+    p.add_argument("--k0", type=int_at_least(1), nargs="+", default=[3, 5], metavar="K0",
+                   help="k0 values for pruned and oea, each in 1..top_k")
+    p.add_argument("--policies", nargs="+", default=POLICY_CHOICES, choices=POLICY_CHOICES, metavar="POLICY",
+                   help=f"policies among {POLICY_CHOICES} (vanilla is always evaluated as the reference)")
+    p.add_argument("--positions", type=int_at_least(1), default=32, help="decode steps (scored tokens) per window")
+    p.add_argument("--num-batches", type=int_at_least(1), default=None,
+                   help="batches per B (default: ceil(16 / B), at least 16 documents)")
+    p.add_argument("--generate-tokens", type=int_at_least(0), default=16,
+                   help="greedy tokens for the generation-agreement check")
     p.add_argument("--no-generate", action="store_true", help="skip the generation-agreement check")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the document order")
+    p.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(handler=_eval)
 
     sub = p.add_subparsers(dest="eval_command", metavar="{lm-eval}")
-    lm = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks with OEA attached")
-    lm.add_argument("--model", default=None, metavar="PATH", help="HF checkpoint directory (default: embedded)")
+    lm = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks with OEA attached",
+                        description="lm-eval tasks on the model with a routing policy attached (decode steps only "
+                        "unless --all-forwards); one run per batch size.")
+    lm.add_argument("--model", default=None, metavar="PATH",
+                    help="HF checkpoint directory with its tokenizer (default: the embedded model)")
     lm.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names")
-    lm.add_argument("--k0", type=int, default=None, help="k0 in 1..top_k (omit for vanilla routing)")
-    lm.add_argument("--policy", default="oea", choices=["vanilla", "pruned", "oea"])
-    lm.add_argument("--batch-size", type=int, default=16, help="lm-eval batch size (the decode batch)")
-    lm.add_argument("--limit", type=float, default=None, help="lm-eval --limit (examples per task)")
-    lm.add_argument("--num-fewshot", type=int, default=None)
-    lm.add_argument("--include-path", default=None, help="directory of extra task YAMLs")
+    lm.add_argument("--k0", type=int_at_least(1), default=None,
+                    help="k0 in 1..top_k for pruned / oea (omit, with no --policy, for vanilla routing)")
+    lm.add_argument("--policy", default=None, choices=POLICY_CHOICES,
+                    help="routing policy (default: oea when --k0 is given, else vanilla)")
+    add_batch_sizes_argument(lm, [16], "lm-eval batch sizes (the decode batch OEA routes together), one run each",
+                             legacy_alias=True)
+    lm.add_argument("--limit", type=float_between(0, low_open=True), default=None,
+                    help="lm-eval --limit: examples per task, or a fraction below 1 (default: all)")
+    lm.add_argument("--num-fewshot", type=int_at_least(0), default=None, help="lm-eval --num_fewshot "
+                    "(default: the task's)")
+    lm.add_argument("--include-path", default=None, metavar="DIR", help="directory of extra task YAMLs")
     lm.add_argument("--all-forwards", action="store_true",
                     help="reroute every forward, not only decode steps (affects log-likelihood tasks)")
-    lm.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    lm.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
+    lm.add_argument("--json", action="store_true", help="print the runs as JSON (lm-eval results and routing)")
     lm.set_defaults(handler=_lm_eval)
-

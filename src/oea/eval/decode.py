@@ -17,13 +17,19 @@ import torch
 
 @dataclass
 class DecodeCounts:
-    """Routing totals over decode steps, summed over layers: steps, rows, active experts, used slots."""
+    """Routing totals over decode steps, summed over layers: steps, rows, active experts, used slots.
+
+    ``step_active`` / ``step_experts_per_token``: per decode step, the mean over layers of the active
+    experts and of the experts per token (the samples behind the intervals of ``oea eval``).
+    """
 
     layer_steps: int = 0
     rows: int = 0
     active_total: float = 0.0
     slots_total: float = 0.0
     per_layer_active: dict[int, float] = field(default_factory=dict)
+    step_active: list[float] = field(default_factory=list)
+    step_experts_per_token: list[float] = field(default_factory=list)
 
     @property
     def mean_active_experts(self) -> float:
@@ -47,14 +53,22 @@ def handle_totals(handle: Any) -> dict[int, tuple[int, int, float, float]]:
 
 
 def add_counts(counts: DecodeCounts, before: dict, after: dict) -> None:
-    """Add the difference of two ``handle_totals`` snapshots to ``counts``."""
+    """Add the difference of two ``handle_totals`` snapshots (one decode step apart) to ``counts``."""
+    steps_sum, rows_sum, active_sum, slots_sum = 0, 0, 0.0, 0.0
     for index, (steps, rows, active, slots) in after.items():
         b_steps, b_rows, b_active, b_slots = before[index]
-        counts.layer_steps += steps - b_steps
-        counts.rows += rows - b_rows
-        counts.active_total += active - b_active
-        counts.slots_total += slots - b_slots
+        steps_sum += steps - b_steps
+        rows_sum += rows - b_rows
+        active_sum += active - b_active
+        slots_sum += slots - b_slots
         counts.per_layer_active[index] = counts.per_layer_active.get(index, 0.0) + active - b_active
+    counts.layer_steps += steps_sum
+    counts.rows += rows_sum
+    counts.active_total += active_sum
+    counts.slots_total += slots_sum
+    if steps_sum:
+        counts.step_active.append(active_sum / steps_sum)
+        counts.step_experts_per_token.append(slots_sum / rows_sum if rows_sum else 0.0)
 
 
 def _cache_kwarg(model: Any) -> str:
@@ -70,7 +84,7 @@ def lockstep_cross_entropy(
     """Per-token next-token CE (nats) of windows ``ids`` [B, L] decoded in lock step -> [B, L - prefill - 1].
 
     Position ``prefill + j`` is fed at decode step j and predicts token ``prefill + j + 1``. With a
-    ``handle`` and ``counts``, the routing statistics of the decode steps are added to ``counts``
+    ``handle`` and ``counts``, the routing statistics of each decode step are added to ``counts``
     (the prefill forward is not a decode step and is not counted).
     """
     from transformers import DynamicCache
@@ -81,7 +95,8 @@ def lockstep_cross_entropy(
     cache = DynamicCache()
     out = model(input_ids=ids[:, :prefill], use_cache=True, **{cache_name: cache})
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
-    before = handle_totals(handle) if handle is not None and counts is not None else None
+    track = handle is not None and counts is not None
+    before = handle_totals(handle) if track else None
     losses = []
     for t in range(prefill, ids.shape[1] - 1):
         position = torch.full((ids.shape[0], 1), t, dtype=torch.int64)
@@ -89,8 +104,10 @@ def lockstep_cross_entropy(
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
         logits = out.logits[:, -1].float()
         losses.append(torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none"))
-    if before is not None:
-        add_counts(counts, before, handle_totals(handle))
+        if track:  # per step, so that the routing figures get intervals over decode steps
+            after = handle_totals(handle)
+            add_counts(counts, before, after)
+            before = after
     return torch.stack(losses, dim=1)
 
 

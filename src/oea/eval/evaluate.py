@@ -2,8 +2,9 @@
 
 For each batch size B, B windows of different held-out documents are decoded in lock step (see
 ``oea.eval.decode``) once per policy, with ``oea.attach`` rewriting every decode step's routing.
-Cross-entropy is averaged per document first; the row reports the mean over documents and its
-standard error, and the paper's criterion decides the verdict (``verdict``).
+Cross-entropy is averaged per document first; the row reports the mean over documents with its
+interval, and the paired t-test on per-document differences to vanilla decides the verdict
+(``oea.eval.summary``, statistics from ``oea.stats``).
 """
 
 from __future__ import annotations
@@ -17,32 +18,12 @@ import torch
 
 from oea.eval.decode import DecodeCounts, greedy_generate, lockstep_cross_entropy
 from oea.eval.sequences import document_windows, make_batches
+from oea.eval.summary import ci_or_none, quality_fields, routing_fields
 
 POLICIES: tuple[str, ...] = ("vanilla", "pruned", "oea")
 PREFILL_TOKENS = 8  # window tokens given as a prefill before the lock-step decode starts
 PROMPT_TOKENS = 32  # prompt length of the generation-agreement check
 DOCUMENTS_PER_SIZE = 16  # default num_batches covers at least this many windows per batch size
-
-
-def verdict(mean: float, stderr: float, vanilla_mean: float, vanilla_stderr: float) -> str:
-    """The paper's standard-error criterion for a lower-is-better metric (cross-entropy).
-
-    ``"worse"`` iff the intervals mean ± se do not overlap in the bad direction, i.e.
-    ``mean - stderr > vanilla_mean + vanilla_stderr``; otherwise ``"no worse"``.
-    """
-    return "worse" if mean - stderr > vanilla_mean + vanilla_stderr else "no worse"
-
-
-def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (sample std / sqrt(n); 0.0 for a single value)."""
-    n = len(values)
-    if n == 0:
-        raise ValueError("mean_and_stderr needs at least one value")
-    mean = sum(values) / n
-    if n == 1:
-        return mean, 0.0
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(variance / n)
 
 
 def _resolve_model(model: Any, tokenizer: Any) -> tuple[Any, Any, pathlib.Path | None]:
@@ -84,6 +65,18 @@ def _check_arguments(policies: Sequence[str], k0s: Sequence[int], top_k: int, ba
     for b in batch_sizes:
         if not isinstance(b, int) or b < 1:
             raise ValueError(f"batch sizes must be integers >= 1, got {b!r}")
+
+
+def _num_batches(batch_size: int, num_batches: int | None) -> int:
+    """Batches at one batch size: ``num_batches`` or enough for ``DOCUMENTS_PER_SIZE`` windows; an
+    interval over documents needs at least two of them."""
+    count = num_batches if num_batches is not None else math.ceil(DOCUMENTS_PER_SIZE / batch_size)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"num_batches must be an integer >= 1, got {count!r}")
+    if batch_size * count < 2:
+        raise ValueError(f"B={batch_size} with num_batches={count} decodes a single document; an interval needs "
+                         f"at least 2 (use num_batches >= 2, or leave it unset)")
+    return count
 
 
 def _run_policy(model: Any, cfg: object | None, batches: list, generate_tokens: int) -> dict[str, Any]:
@@ -151,16 +144,22 @@ def evaluate(
 
     Returns:
         One dict per (B, policy, k0): ``policy``, ``k0`` (None for vanilla), ``batch_size``,
-        ``cross_entropy`` and ``stderr`` (mean of per-document CE and its standard error, nats),
-        ``delta_ce`` (vs vanilla), ``delta_stderr`` (paired standard error of the per-document
-        difference), ``verdict`` ("worse" / "no worse", see ``verdict``), ``mean_active_experts``
-        (distinct experts per layer per decode step), ``active_vs_vanilla`` (its ratio to vanilla's),
+        ``cross_entropy`` with ``cross_entropy_ci`` and ``stderr`` (mean of per-document CE, its 95%
+        t interval and standard error, nats); ``delta_ce`` with ``delta_ce_ci``, ``delta_stderr`` and
+        ``delta_p_value`` (mean per-document difference to vanilla, paired); ``verdict`` ("worse" /
+        "better" / "no significant difference" by the paired t-test, "reference" for vanilla;
+        ``verdict_rule`` states it) and ``paper_verdict`` (the paper's overlapping-SE rule, for
+        comparison); ``mean_active_experts`` (distinct experts per layer per decode step),
+        ``active_vs_vanilla`` (its ratio to vanilla's, interval paired by decode step),
         ``mean_experts_per_token``, ``generation_agreement`` (share of generated tokens equal to
-        vanilla's; None when not measured), ``documents``, ``tokens``, ``num_batches``, ``positions``.
+        vanilla's; None when not measured), each with a ``*_ci`` ``[low, high]`` (None where it rests
+        on one item); ``documents``, ``tokens``, ``decode_steps``, ``num_batches``, ``positions``.
+        See ``oea.eval.summary`` for the statistics.
 
     Raises:
         ValueError: a model without MoE blocks or with an unsupported router (from ``oea.attach``),
-            k0 outside 1..top_k, an unknown policy, or too few held-out windows.
+            k0 outside 1..top_k, an unknown policy, too few held-out windows, or fewer than two
+            documents at a batch size (no interval).
         FileNotFoundError: a missing checkpoint or held-out file.
     """
     from oea.integrations.transformers import find_moe_layers
@@ -180,48 +179,41 @@ def evaluate(
     runs += [(label, getattr(cfg, "k0", None), cfg) for label, cfg in extra_policies]
 
     rows: list[dict[str, Any]] = []
-    for batch_size in batch_sizes:
-        count = num_batches if num_batches is not None else math.ceil(DOCUMENTS_PER_SIZE / batch_size)
+    counts_by_size = {b: _num_batches(b, num_batches) for b in batch_sizes}
+    for batch_size, count in counts_by_size.items():
         batches = make_batches(windows, batch_size, count, seed)
         reference: dict[str, Any] | None = None
-        reference_docs: dict[int, float] = {}
         for name, k0, cfg in runs:
             if progress is not None:
                 progress(f"B={batch_size} {name}" + ("" if k0 is None else f" k0={k0}"))
             result = _run_policy(model, cfg, batches, generate_tokens)
             per_doc = _per_document_ce(result["losses"], batches)
-            ce, se = mean_and_stderr(list(per_doc.values()))
             counts: DecodeCounts = result["counts"]
-            row: dict[str, Any] = {
+            is_reference = reference is None  # the first run is vanilla
+            if reference is None:
+                reference = {"docs": per_doc, "steps": counts.step_active, "generated": result["generated"]}
+            agreement, agreement_ci = _agreement(result["generated"], reference["generated"])
+            rows.append({
                 "policy": name,
                 "k0": k0,
                 "batch_size": batch_size,
-                "cross_entropy": ce,
-                "stderr": se,
-                "mean_active_experts": counts.mean_active_experts,
-                "mean_experts_per_token": counts.mean_experts_per_token,
+                **quality_fields(per_doc, None if is_reference else reference["docs"]),
+                **routing_fields(counts.step_active, counts.step_experts_per_token, reference["steps"], seed),
+                "generation_agreement": agreement,
+                "generation_agreement_ci": agreement_ci,
                 "documents": len(per_doc),
                 "tokens": sum(int(loss.numel()) for loss in result["losses"]),
+                "decode_steps": len(counts.step_active),
                 "num_batches": count,
                 "positions": positions,
-            }
-            if reference is None:
-                reference, reference_docs = {**row, "generated": result["generated"]}, per_doc
-            diffs = [per_doc[d] - reference_docs[d] for d in per_doc]
-            row["delta_ce"] = ce - reference["cross_entropy"]
-            row["delta_stderr"] = mean_and_stderr(diffs)[1]
-            row["verdict"] = verdict(ce, se, reference["cross_entropy"], reference["stderr"])
-            row["active_vs_vanilla"] = (
-                counts.mean_active_experts / reference["mean_active_experts"]
-                if reference["mean_active_experts"] else None
-            )
-            row["generation_agreement"] = _agreement(result["generated"], reference["generated"])
-            rows.append(row)
+            })
     return rows
 
 
-def _agreement(generated: torch.Tensor | None, vanilla: torch.Tensor | None) -> float | None:
-    """Share of decode-step generated tokens (all but the prefill's first) equal to vanilla's."""
+def _agreement(generated: torch.Tensor | None, vanilla: torch.Tensor | None) -> tuple[float | None, list | None]:
+    """Share of decode-step generated tokens (all but the prefill's first) equal to vanilla's, and the
+    t interval of its mean over rows (``None`` for a single row)."""
     if generated is None or vanilla is None or generated.shape[1] < 2:
-        return None
-    return float((generated[:, 1:] == vanilla[:, 1:]).double().mean())
+        return None, None
+    per_row = (generated[:, 1:] == vanilla[:, 1:]).double().mean(dim=1).tolist()
+    return float(sum(per_row) / len(per_row)), ci_or_none(per_row)

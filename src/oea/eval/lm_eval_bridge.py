@@ -12,9 +12,60 @@ union is taken over every token of the forward, a harsher setting than decoding)
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+POLICIES: tuple[str, ...] = ("vanilla", "pruned", "oea")
+
+
+def resolve_policy(policy: str | None, k0: int | None) -> str:
+    """The policy to run: ``policy``, or ``"oea"`` when only ``k0`` is given and ``"vanilla"`` when neither.
+
+    Raises ``ValueError`` for an unknown policy, pruned / oea without a k0 (which would silently run
+    vanilla routing), or vanilla with a k0 (which it would ignore).
+    """
+    if policy is None:
+        return "vanilla" if k0 is None else "oea"
+    if policy not in POLICIES:
+        raise ValueError(f"--policy must be one of {list(POLICIES)}, got {policy!r}")
+    if policy != "vanilla" and k0 is None:
+        raise ValueError(f"--policy {policy} needs --k0 (an integer in 1..top_k)")
+    if policy == "vanilla" and k0 is not None:
+        raise ValueError(f"--k0 {k0} has no effect with --policy vanilla; drop one of them")
+    return policy
+
+
+def check_lm_eval_arguments(policy: str | None, k0: int | None, include_path: str | pathlib.Path | None) -> None:
+    """What can be checked before loading a model: the policy / k0 pair and the task directory."""
+    resolve_policy(policy, k0)
+    if include_path is not None and not pathlib.Path(include_path).is_dir():
+        raise FileNotFoundError(f"--include-path {include_path}: no such directory (it should hold task YAMLs)")
+
+
+@contextlib.contextmanager
+def _quiet_git_hash() -> Iterator[None]:
+    """lm-eval records ``git describe`` of the working directory and lets git print "fatal: not a git
+    repository" outside one; run that one call with git's stderr discarded."""
+    import lm_eval.evaluator as evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    original = evaluator.get_git_commit_hash
+
+    def quiet() -> str | None:
+        try:
+            out = subprocess.run(["git", "describe", "--always"], capture_output=True, check=True, text=True)
+            return out.stdout.strip()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(pathlib.Path.cwd())
+
+    evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
 
 
 def run_lm_eval(
@@ -22,7 +73,7 @@ def run_lm_eval(
     tasks: Sequence[str],
     *,
     k0: int | None = None,
-    policy: str = "oea",
+    policy: str | None = None,
     batch_size: int = 16,
     limit: float | None = None,
     num_fewshot: int | None = None,
@@ -39,8 +90,9 @@ def run_lm_eval(
         model: None (the embedded model), a checkpoint directory, or a loaded HF model (then
             pass ``tokenizer``).
         tasks: lm-eval task names (registered ones, or ones defined in ``include_path``).
-        k0: the policy's k0 in 1..top_k; None evaluates vanilla routing (``policy`` ignored).
-        policy: "oea" or "pruned" (``oea.routing.make_policy`` names); "vanilla" ignores ``k0``.
+        k0: the policy's k0 in 1..top_k (required by "oea" and "pruned").
+        policy: "vanilla", "pruned" or "oea" (``oea.routing.make_policy`` names); default "oea" when
+            ``k0`` is given, else "vanilla" (``resolve_policy``).
         batch_size: lm-eval's batch size, i.e. the decode batch that OEA routes together.
         limit, num_fewshot: passed to ``lm_eval.simple_evaluate``.
         include_path: a directory of extra task YAMLs (e.g. a local task over a jsonl file).
@@ -55,7 +107,9 @@ def run_lm_eval(
 
     Raises:
         ImportError: lm-eval is not installed (names the extra to install).
-        ValueError: k0 outside 1..top_k, an unknown policy, or a model without supported MoE blocks.
+        ValueError: k0 outside 1..top_k, an unknown policy, pruned / oea without k0, vanilla with k0,
+            or a model without supported MoE blocks.
+        FileNotFoundError: ``include_path`` is not a directory.
     """
     try:
         from lm_eval import simple_evaluate
@@ -69,12 +123,12 @@ def run_lm_eval(
     from oea.integrations.transformers import find_moe_layers
     from oea.routing import make_policy
 
-    if policy not in ("vanilla", "pruned", "oea"):
-        raise ValueError(f"policy must be one of ['vanilla', 'pruned', 'oea'], got {policy!r}")
+    check_lm_eval_arguments(policy, k0, include_path)
+    policy = resolve_policy(policy, k0)
     model, tokenizer, _ = _resolve_model(model, tokenizer)
     top_k = min(layer.spec.top_k for layer in find_moe_layers(model))
     cfg = None
-    if policy != "vanilla" and k0 is not None:
+    if policy != "vanilla":
         if not isinstance(k0, int) or not 1 <= k0 <= top_k:
             raise ValueError(f"k0 must be an integer in 1..{top_k} (the model's top_k), got {k0!r}")
         cfg = make_policy(policy, k0)
@@ -84,11 +138,12 @@ def run_lm_eval(
         manager = TaskManager(
             include_path=None if include_path is None else str(include_path), include_defaults=builtin_tasks
         )
-        output = simple_evaluate(
-            model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-            log_samples=False, bootstrap_iters=bootstrap_iters,
-        )
+        with _quiet_git_hash():
+            output = simple_evaluate(
+                model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                log_samples=False, bootstrap_iters=bootstrap_iters,
+            )
         stats = handle.stats()
     finally:
         handle.remove()

@@ -25,7 +25,9 @@ def document_windows(tokenizer: Any, texts: list[str], length: int) -> list[list
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     windows = []
     for text in texts:
-        ids = torch.tensor([start, *tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.int64)
+        # verbose=False: whole documents exceed model_max_length on purpose (they are cut into windows)
+        tokens = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids = torch.tensor([start, *tokens], dtype=torch.int64)
         windows.append([ids[i : i + length] for i in range(0, len(ids) - length + 1, length)])
     return windows
 

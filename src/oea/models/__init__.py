@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["embedded_model_dir", "heldout_changed", "heldout_documents", "load_embedded", "load_model"]
 
 HELDOUT_FILE = "heldout_files.json"
+# Files any transformers tokenizer is loaded from; without one, AutoTokenizer quietly builds an empty one.
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def embedded_model_dir() -> pathlib.Path:
@@ -37,20 +39,30 @@ def load_model(
     ``path=None`` loads the embedded model. ``dtype`` defaults to float32 (CPU-friendly and
     exact for comparisons); ``experts_implementation`` is passed to transformers when given
     (``"eager"``, ``"grouped_mm"``, ...). Raises ``FileNotFoundError`` naming the path when it
-    does not exist or holds no ``config.json``.
+    does not exist, holds no ``config.json`` or no tokenizer (``TOKENIZER_FILES``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     directory = embedded_model_dir() if path is None else pathlib.Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"model checkpoint not found: {directory} (expected a directory)")
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"model checkpoint not found: {directory / 'config.json'} does not exist")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model checkpoint {directory} has no tokenizer (none of "
+                                f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files next to config.json")
     kwargs: dict[str, Any] = {"dtype": torch.float32 if dtype is None else dtype}
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
-    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a local checkpoint loads in a blink: no "Loading weights" bar per load
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return model, tokenizer
