@@ -104,7 +104,8 @@ def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, str, floa
     if proc.returncode == 0:
         return "SURVIVED", "all tests passed", seconds
     if proc.returncode == 1 and failed:
-        return "killed", failed[0], seconds
+        why = next((line[1:].strip() for line in output.splitlines() if line.startswith("E ")), "")
+        return "killed", f"{failed[0]}  ({why[:100]})" if why else failed[0], seconds
     tail = output.strip().splitlines()[-3:]
     return "error", f"pytest exit {proc.returncode}: {' | '.join(tail)}", seconds
 
