@@ -70,6 +70,8 @@ def apply(mutation: Mutation, src: Path) -> str | None:
     if not target.is_file():
         return f"{mutation.file} not found"
     text = target.read_text()
+    if mutation.old == mutation.new == "":  # identity (baseline run)
+        return None
     count = text.count(mutation.old)
     if count != 1:
         return f"the snippet occurs {count} times in {mutation.file} (must be exactly once)"
@@ -110,6 +112,18 @@ def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, str, floa
     return "error", f"pytest exit {proc.returncode}: {' | '.join(tail)}", seconds
 
 
+def baseline_failures(mutations: list[Mutation], python: str, timeout: float) -> set[tuple[tuple[str, ...], str]]:
+    """The (tests, marks) selections that fail on the unmutated source (a mutation cannot be judged there)."""
+    broken = set()
+    for selection in dict.fromkeys((m.tests, m.marks) for m in mutations):
+        identity = Mutation("baseline", mutations[0].file, "", "", *selection, "")
+        status, detail, _ = run(identity, python, timeout)
+        if status != "SURVIVED":
+            broken.add(selection)
+            print(f"baseline fails ({detail}): {' '.join(selection[0])}", flush=True)
+    return broken
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE, help="TOML file of mutations")
@@ -118,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter for pytest")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation run")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run each distinct test selection unmutated; skip those that already fail")
     args = parser.parse_args(argv)
     mutations = load_catalogue(args.catalogue)
     if args.only:
@@ -131,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutations:
             print(f"{m.id:40s} {m.file:36s} {' '.join(m.tests)}")
         return 0
+    broken = baseline_failures(mutations, args.python, args.timeout) if args.baseline else set()
     survivors = 0
     for m in mutations:
+        if (m.tests, m.marks) in broken:
+            survivors += 1
+            print(f"{'error':11s} {m.id:40s} {0.0:6.1f} s  its tests fail without the mutation", flush=True)
+            continue
         status, detail, seconds = run(m, args.python, args.timeout)
         survivors += status != "killed"
         print(f"{status:11s} {m.id:40s} {seconds:6.1f} s  {detail}", flush=True)
