@@ -79,11 +79,14 @@ def test_vllm_cpu_memory_default_only_when_nothing_sizes_memory(monkeypatch: pyt
     seen = {}
 
     class FakePopen:
-        def __init__(self, cmd: list[str], env: dict, **_kw: object) -> None:
-            seen.update(cmd=cmd, env=env)
+        def __init__(self, cmd: list[str], env: dict, **kw: object) -> None:
+            seen.update(cmd=cmd, env=env, preexec_fn=kw.get("preexec_fn"))
 
     monkeypatch.setattr("oea.launch.vllm.subprocess.Popen", FakePopen)
     start_server(["--model", "m"], {"PATH": "/bin"}, python="py")
     assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and seen["cmd"][-2:] == ["--host", "127.0.0.1"]
-    start_server(["--model", "m"], {"VLLM_CPU_KVCACHE_SPACE": "3"}, python="py")
-    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert seen["preexec_fn"] is None  # no priority change unless asked
+    start_server(["--model", "m"], {"VLLM_CPU_KVCACHE_SPACE": "3"}, python="py", nice=5)
+    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "3" and callable(seen["preexec_fn"])
+    with pytest.raises(ValueError, match=r"--server-nice must be in -20\.\.19, got 40"):
+        start_server(["--model", "m"], {}, python="py", nice=40)

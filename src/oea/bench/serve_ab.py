@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -157,9 +158,10 @@ def parse_engine_metrics(specs: list[str]) -> dict[str, Path]:
 
 def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], cfg: BenchConfig,
                   out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
-                  progress: bool) -> list[dict[str, Any]]:
-    """Restart mode: one server per (round, arm), arm order alternating between rounds."""
-    from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
+                  progress: bool, server_nice: int | None = None) -> list[dict[str, Any]]:
+    """Restart mode: one server per (round, arm), arm order rotated between rounds (``restart_order``).
+
+    SIGTERM stops the current server before this process exits (as Ctrl-C does)."""
     from oea.launch.vllm_cli import strip_separator
 
     vllm_args = strip_separator(vllm_args)
@@ -168,13 +170,32 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(serve_arms)
     rows: list[dict[str, Any]] = []
+
+    def stop_on_sigterm(signum: int, _frame: object) -> None:  # run the finally below on SIGTERM too
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        _restart_rounds(serve_arms, names, vllm_args, cfg, out_dir, output_file, python, health_timeout, progress,
+                        server_nice, rows)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return rows
+
+
+def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], vllm_args: list[str], cfg: BenchConfig,
+                    out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
+                    progress: bool, server_nice: int | None, rows: list[dict[str, Any]]) -> None:
+    from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
+
     for r in range(cfg.rounds):
         for name in restart_order(names, r):
             metrics_file = out_dir / f"engine-{name}-round{r}.jsonl"
             metrics_file.unlink(missing_ok=True)
             env = oea_env(None, None)
             env.update({"OEA_METRICS_FILE": str(metrics_file), "OEA_TIMING": "1", **serve_arms[name]})
-            server = start_server(vllm_args, env, python=python, log_path=out_dir / f"server-{name}-round{r}.log")
+            server = start_server(vllm_args, env, python=python, log_path=out_dir / f"server-{name}-round{r}.log",
+                                  nice=server_nice)
             try:
                 wait_healthy(server, timeout=health_timeout)
                 single = BenchConfig(**{**cfg.__dict__, "rounds": 1, "seed": cfg.seed + 100 * r})
@@ -187,7 +208,6 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
                         append_jsonl(output_file, row)
             finally:
                 stop_server(server)
-    return rows
 
 
 def _print_table(summary: list[dict[str, Any]]) -> None:
@@ -209,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
         serve_arms = parse_serve_arms(args.serve_arm)
         out_dir = Path(args.engine_metrics_dir or (output_file.parent if output_file else Path("oea-bench-serve")))
         rows = run_restarted(serve_arms, list(args.vllm_args), cfg, out_dir, output_file, args.python,
-                             args.health_timeout, progress=not args.no_progress)
+                             args.health_timeout, progress=not args.no_progress, server_nice=args.server_nice)
     else:
         if args.vllm_args and args.vllm_args != ["--"]:
             raise ValueError("vLLM arguments after '--' are only used with --serve-arm (restart mode)")

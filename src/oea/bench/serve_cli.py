@@ -65,6 +65,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                         "active experts per decode step) for each round's time window")
     p.add_argument("--baseline-arm", metavar="NAME",
                    help="A/B summary: ratios against this arm (default: the first arm)")
+    p.add_argument("--server-nice", type=int, metavar="N",
+                   help="restart mode: scheduling priority of each server (-20..19; e.g. -5 so that other jobs on "
+                        "a shared machine do not time the server; below 0 needs root)")
     p.add_argument("--python", help="restart mode: interpreter with vLLM installed (default: this one)")
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -105,13 +105,18 @@ def start_server(
     python: str | None = None,
     log_path: str | Path | None = None,
     cwd: str | Path | None = None,
+    nice: int | None = None,
 ) -> Server:
     """Start ``python -m vllm.entrypoints.openai.api_server *vllm_args`` in a new session.
 
     ``--host 127.0.0.1`` is added when the arguments name no host, and ``VLLM_CPU_KVCACHE_SPACE=1`` when
     nothing sizes memory (``memory_defaults``). Output goes to ``log_path`` (inherited stdout/stderr when
-    None). Returns at once; call ``wait_healthy`` next.
+    None). ``nice``: the server's scheduling priority (-20..19, inherited by its workers; below 0 needs root
+    or CAP_SYS_NICE): a benchmark can keep other jobs on a shared machine from timing the server instead of
+    the model. Returns at once; call ``wait_healthy`` next.
     """
+    if nice is not None and not -20 <= nice <= 19:
+        raise ValueError(f"--server-nice must be in -20..19, got {nice}")
     args = list(vllm_args)
     if _option(args, "--host") is None:
         args += ["--host", "127.0.0.1"]
@@ -131,7 +136,11 @@ def start_server(
             stdout=log_file,
             stderr=subprocess.STDOUT if log_file is not None else None,
             start_new_session=True,
+            preexec_fn=None if nice is None else (lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)),
         )
+    except subprocess.SubprocessError as err:
+        raise ValueError(f"cannot start the server with priority {nice} (--server-nice; below 0 needs root or "
+                         f"CAP_SYS_NICE): {err}") from None
     finally:
         if log_file is not None:
             log_file.close()

