@@ -36,7 +36,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        nothing = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if "default" in text.lower() or nothing or not action.option_strings:
             return action.help
         return super()._get_help_string(action)
 

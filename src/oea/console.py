@@ -13,20 +13,24 @@ def wide_console() -> Any:
     from rich.console import Console
 
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    return console if console.is_terminal else Console(width=220)
 
 
 def format_interval(value: float | None, ci: Sequence[float] | None, digits: int = 1, signed: bool = False) -> str:
-    """``value`` with its 95% interval for a table cell: ``12.3 [11.9, 12.8]``; ``-`` for ``None``.
+    """``value`` with its 95% interval for a table cell; ``-`` for ``None``.
 
-    A missing interval (a figure resting on a single item) shows as ``12.3 (n=1)``.
+    A symmetric interval (Student t) shows as ``12.3 ±0.4``, an asymmetric one (bootstrap) as
+    ``0.51 [0.49, 0.54]``; a missing one (a figure resting on a single item) as ``12.3 (n=1)``.
     """
     if value is None:
         return "-"
     spec = f"{'+' if signed else ''}.{digits}f"
     if ci is None:
         return f"{value:{spec}} (n=1)"
-    return f"{value:{spec}} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
+    low, high = ci
+    if math.isclose(high - value, value - low, rel_tol=1e-6, abs_tol=1e-12):
+        return f"{value:{spec}} ±{(high - low) / 2:.{digits}f}"
+    return f"{value:{spec}} [{low:{spec}}, {high:{spec}}]"
 
 
 # ---------------------------------------------------------------- argparse value types

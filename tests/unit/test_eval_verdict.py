@@ -101,6 +101,7 @@ def test_routing_intervals_over_decode_steps_and_a_single_item_has_none() -> Non
     assert single["mean_active_experts_ci"] is None and single["active_vs_vanilla_ci"] is None
     assert single["active_vs_vanilla"] == 0.5
     assert ci_or_none([1.0]) is None and ci_or_none([1.0, 3.0]) is not None
-    assert format_interval(0.5, None, 2) == "0.50 (n=1)" and format_interval(1.0, [0.5, 1.5], 1) == "1.0 [0.5, 1.5]"
+    assert format_interval(0.5, None, 2) == "0.50 (n=1)" and format_interval(1.0, [0.5, 1.5], 1) == "1.0 ±0.5"
     assert format_interval(None, None) == "-"
-    assert format_interval(0.25, [0.1, 0.4], 2, signed=True) == "+0.25 [+0.10, +0.40]"
+    assert format_interval(0.25, [0.1, 0.4], 2, signed=True) == "+0.25 ±0.15"
+    assert format_interval(0.5, [0.45, 0.6], 2) == "0.50 [0.45, 0.60]"  # bootstrap: asymmetric

@@ -39,13 +39,13 @@ def test_simulate_with_latency_and_ep(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_bad_names_exit_2_with_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--trace", "nope", "--num-batches", "1"]) == 2
+    assert main(["simulate", "--trace", "nope", "--num-batches", "2"]) == 2
     assert "qwen3-30b-a3b" in capsys.readouterr().err
     assert main(["roofline", "--model", "nope", "--trace", "none"]) == 2
     assert "glm-5" in capsys.readouterr().err
     assert main(["roofline", "--gpu", "nope", "--trace", "none"]) == 2
     assert "rtx-pro-6000" in capsys.readouterr().err
-    assert main(["simulate", "--batch-sizes", "9999", "--num-batches", "1", "--policies", "vanilla"]) == 2
+    assert main(["simulate", "--batch-sizes", "9999", "--num-batches", "2", "--policies", "vanilla"]) == 2
     assert "larger than the pool" in capsys.readouterr().err
 
 
@@ -64,7 +64,11 @@ def test_traces_listing(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_policy_options_parse_json_values() -> None:
-    assert parse_policy_options(["budget:budget=40", "adaptive:schedule=[[1,3],[16,5]]", "x:mode=fast"]) == {
-        "budget": {"budget": 40}, "adaptive": {"schedule": [[1, 3], [16, 5]]}, "x": {"mode": "fast"}}
+    assert parse_policy_options(["budget:budget=40", "adaptive:schedule=[[1,3],[16,5]]", "oea:group_fill=cross"]) == {
+        "budget": {"budget": 40}, "adaptive": {"schedule": [[1, 3], [16, 5]]}, "oea": {"group_fill": "cross"}}
     with pytest.raises(ValueError, match="POLICY:KEY=VALUE"):
         parse_policy_options(["budget=40"])
+    with pytest.raises(ValueError, match="policy 'budget' has no option 'nosuch'; its options: budget, min_batch"):
+        parse_policy_options(["budget:nosuch=40"])
+    with pytest.raises(ValueError, match="unknown policy 'x'"):
+        parse_policy_options(["x:mode=fast"])

@@ -137,15 +137,17 @@ def test_lockstep_batches_hold_distinct_requests_at_one_position() -> None:
 
 def test_bad_inputs_give_clear_errors(qwen3: Trace) -> None:
     with pytest.raises(ValueError, match=r"larger than the pool.*4130"):
-        simulate(qwen3, policies=["vanilla"], batch_sizes=[5000], num_batches=1)
+        simulate(qwen3, policies=["vanilla"], batch_sizes=[5000], num_batches=2)
     with pytest.raises(ValueError, match=r"lockstep.*request ids"):
-        simulate(qwen3, policies=["vanilla"], batch_sizes=[4], mode="lockstep", num_batches=1)
+        simulate(qwen3, policies=["vanilla"], batch_sizes=[4], mode="lockstep", num_batches=2)
     with pytest.raises(ValueError, match=r"policy must be one of .*'oea'"):
-        simulate(qwen3, policies=["nope"], batch_sizes=[4], num_batches=1)
+        simulate(qwen3, policies=["nope"], batch_sizes=[4], num_batches=2)
     with pytest.raises(ValueError, match=r"k0 must be in 1\.\.top_k=8"):
-        simulate(qwen3, policies=["oea"], k0s=[9], batch_sizes=[4], num_batches=1)
+        simulate(qwen3, policies=["oea"], k0s=[9], batch_sizes=[4], num_batches=2)
     with pytest.raises(ValueError, match="mode must be one of"):
-        simulate(qwen3, policies=["vanilla"], batch_sizes=[4], mode="sideways", num_batches=1)
+        simulate(qwen3, policies=["vanilla"], batch_sizes=[4], mode="sideways", num_batches=2)
+    with pytest.raises(ValueError, match=r"num_batches must be an integer >= 2 \(an interval needs two"):
+        simulate(qwen3, policies=["vanilla"], batch_sizes=[4], num_batches=1)
 
 
 def test_expert_load_and_busiest_device_by_hand() -> None:

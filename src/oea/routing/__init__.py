@@ -1,6 +1,6 @@
 """The engine-free routing core: pure torch, no engine imports, no I/O."""
 
-from oea.routing.catalog import make_policy, needs_k0, policy_names
+from oea.routing.catalog import make_policy, needs_k0, policy_names, policy_options
 from oea.routing.comparators import BudgetConfig, SubtractiveConfig
 from oea.routing.ep import EPOEAConfig, ExpertPlacement, max_device_active_experts
 from oea.routing.policies import active_experts, expert_load, expert_union, register_policy, route
@@ -27,6 +27,7 @@ __all__ = [
     "max_device_active_experts",
     "needs_k0",
     "policy_names",
+    "policy_options",
     "reference_route",
     "register_policy",
     "route",

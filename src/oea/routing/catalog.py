@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,44 @@ _FACTORIES: dict[str, Callable[..., object | None]] = {
 _NEEDS_K0: set[str] = {"pruned", "oea", "ep-oea"}
 
 
-def register_policy_name(name: str, factory: Callable[..., object | None], needs_k0: bool = True) -> None:
-    """Make ``name`` available to ``make_policy``; ``factory(k0=..., **options)`` returns a config."""
+def _fields(config: type, *extra: str) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(config) if f.name != "k0") + extra
+
+
+# The options each built-in name takes (``make_policy`` names an unknown one and lists these).
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "vanilla": (),
+    "pruned": _fields(PrunedConfig),
+    "oea": _fields(OEAConfig),
+    "ep-oea": _fields(EPOEAConfig, "ep", "num_experts"),
+    "budget": _fields(BudgetConfig),
+    "subtractive": _fields(SubtractiveConfig),
+    "adaptive": _fields(AdaptiveK0Config),
+}
+
+
+def register_policy_name(
+    name: str, factory: Callable[..., object | None], needs_k0: bool = True, options: tuple[str, ...] | None = None
+) -> None:
+    """Make ``name`` available to ``make_policy``; ``factory(k0=..., **options)`` returns a config.
+
+    ``options``: the option names the factory takes (``make_policy`` then names any other one);
+    ``None`` leaves the check to the factory.
+    """
     _FACTORIES[name] = factory
     if needs_k0:
         _NEEDS_K0.add(name)
+    if options is None:
+        _OPTIONS.pop(name, None)
+    else:
+        _OPTIONS[name] = tuple(options)
+
+
+def policy_options(name: str) -> tuple[str, ...] | None:
+    """The option names ``make_policy(name, ...)`` accepts (``None``: not declared by its factory)."""
+    if name not in _FACTORIES:
+        raise ValueError(f"policy must be one of {policy_names()}, got {name!r}")
+    return _OPTIONS.get(name)
 
 
 def policy_names() -> list[str]:
@@ -67,4 +101,12 @@ def make_policy(name: str, k0: int | None = None, **options: Any) -> object | No
         raise ValueError(f"policy must be one of {policy_names()}, got {name!r}")
     if name in _NEEDS_K0 and k0 is None:
         raise ValueError(f"policy {name!r} needs k0")
-    return factory(k0=k0, **options)
+    allowed = _OPTIONS.get(name)
+    unknown = sorted(set(options) - set(allowed)) if allowed is not None else []
+    if unknown:
+        raise ValueError(f"policy {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
+                         f"{list(allowed) or 'none'}")
+    try:
+        return factory(k0=k0, **options)
+    except TypeError as err:  # an undeclared option of a registered factory, or a value of the wrong type
+        raise ValueError(f"policy {name!r}: {err}") from None

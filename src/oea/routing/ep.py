@@ -30,6 +30,24 @@ class ExpertPlacement:
     device_of_expert: torch.Tensor
     num_devices: int
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_devices, int) or isinstance(self.num_devices, bool) or self.num_devices < 1:
+            raise ValueError(f"num_devices must be an integer >= 1, got {self.num_devices!r}")
+        device = self.device_of_expert
+        if not isinstance(device, torch.Tensor) or device.dim() != 1 or device.numel() == 0 or (
+            device.dtype.is_floating_point or device.dtype == torch.bool
+        ):
+            raise ValueError(f"device_of_expert must be a non-empty 1-D integer tensor [N], got "
+                             f"{getattr(device, 'dtype', type(device).__name__)} {tuple(getattr(device, 'shape', ()))}")
+        if int(device.min()) < 0 or int(device.max()) >= self.num_devices:
+            raise ValueError(f"device_of_expert must lie in 0..{self.num_devices - 1} (num_devices="
+                             f"{self.num_devices}), got values {int(device.min())}..{int(device.max())}")
+        served = torch.bincount(device.cpu(), minlength=self.num_devices)
+        empty = torch.nonzero(served == 0).flatten().tolist()
+        if empty:
+            raise ValueError(f"devices {empty} serve no expert; every one of num_devices={self.num_devices} devices "
+                             f"needs at least one (drop empty devices from the placement)")
+
     @staticmethod
     def contiguous(num_experts: int, num_devices: int) -> ExpertPlacement:
         """Experts split in equal contiguous blocks (vLLM / SGLang default EP layout)."""

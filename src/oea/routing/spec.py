@@ -49,7 +49,8 @@ class RouterSpec:
             (``e_score_correction_bias``); sigmoid scoring only.
         n_group / topk_group: group-limited routing: experts are split into ``n_group`` equal
             groups, a group's score is the sum of its top-2 biased scores, and each token keeps
-            only its best ``topk_group`` groups. ``None`` means no group limit.
+            only its best ``topk_group`` groups. Both or neither: ``None`` means no group limit
+            (as does ``topk_group == n_group``).
         routed_scaling_factor: multiplies the final weights (only where the engine folds the
             factor into the top-k weights; pass 1.0 otherwise).
     """
@@ -101,7 +102,12 @@ class RouterSpec:
             f"num_experts must be divisible by n_group, got num_experts={self.num_experts} "
             f"and n_group={self.n_group}",
         )
-        topk_group = self.n_group if self.topk_group is None else self.topk_group
+        _require(
+            self.topk_group is not None,
+            f"n_group needs topk_group (how many of the n_group={self.n_group} groups each token may use; "
+            f"topk_group=n_group for no group limit), got topk_group=None",
+        )
+        topk_group = self.topk_group
         _require_int("topk_group", topk_group, 1)
         _require(
             topk_group <= self.n_group,

@@ -8,6 +8,10 @@ For each batch size B it states:
   for vanilla and OEA (scaled to the model: T_model = T_uniform,model × T_trace / T_uniform,trace
   when the trace's N, k differ from the model's);
 * predicted MoE-layer latency for vanilla and OEA, and OEA's predicted gain.
+
+Trace T values are means over simulated batches and carry their 95% intervals (``*_ci``); the
+latencies' intervals are the cost model at T's bounds, and the gain's interval comes from the
+interval of OEA's T / vanilla T (paired by batch), with vanilla T at its mean.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ def trace_active_experts(
 
 
 def table_from_rows(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int | None, int], dict[str, Any]]:
-    """``simulate`` rows -> ``{(policy, k0, B): {"T", "T_device", "experts_per_token"}}``."""
+    """``simulate`` rows -> ``{(policy, k0, B): {"T", "T_ci", "ratio_ci", "T_device", "experts_per_token"}}``."""
     return {
         (row["policy"], row["k0"], row["batch_size"]): {
             "T": row["mean_active_experts"],
+            "T_ci": row.get("mean_active_experts_ci"),
+            "ratio_ci": row.get("active_ratio_vs_vanilla_ci"),
             "T_device": row.get("max_device_active_experts"),
             "experts_per_token": row["mean_experts_per_token"],
         }
@@ -71,13 +77,31 @@ def roofline(
     """One row per batch size (fields listed in the module docstring; ``None`` where not applicable).
 
     ``model`` is a built-in preset name or a ``ModelPreset`` (e.g. ``load_model_preset_file(...).model``).
+    Raises ``ValueError`` naming the argument for batch sizes < 1, k0 outside 1..top_k, tp or ep < 1.
     """
+    preset = model if isinstance(model, ModelPreset) else get_model_preset(model)
+    check_roofline_arguments(preset, tp, ep, batch_sizes, k0s)
     table: dict[tuple[str, int | None, int], dict[str, Any]] = {}
     trace_ref = None
     if trace is not None:
         table, trace_obj = trace_active_experts(trace, batch_sizes, k0s, num_batches, seed, ep, progress)
         trace_ref = TraceRef(trace_obj.name, trace_obj.spec.num_experts, trace_obj.spec.top_k)
     return roofline_from_table(model, gpu, tp, ep, batch_sizes, k0s, table, trace_ref)
+
+
+def check_roofline_arguments(
+    preset: ModelPreset, tp: int, ep: int, batch_sizes: Sequence[int], k0s: Sequence[int]
+) -> None:
+    """Batch sizes >= 1, k0 in 1..top_k of ``preset``, tp and ep >= 1 (errors name the flag)."""
+    for name, value in (("tp", tp), ("ep", ep)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
+    bad = [b for b in batch_sizes if not isinstance(b, int) or b < 1]
+    if bad or not batch_sizes:
+        raise ValueError(f"--batch-sizes must be integers >= 1, got {list(batch_sizes)}")
+    bad = [k0 for k0 in k0s if not isinstance(k0, int) or not 1 <= k0 <= preset.top_k]
+    if bad:
+        raise ValueError(f"--k0 must be integers in 1..{preset.top_k} (top_k of {preset.name}), got {bad}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +144,7 @@ def roofline_from_table(
         }
         vanilla = _scaled(table, ("vanilla", None, b), trace, n, k, b)
         row["trace_vanilla_active_experts"] = vanilla
+        row["trace_vanilla_active_experts_ci"] = _scaled_ci(table, ("vanilla", None, b), trace, n, k, b)
         active = vanilla if vanilla is not None else uniform
         row["arithmetic_intensity"] = cost.arithmetic_intensity(active, slots)
         row["bound"] = "compute" if row["arithmetic_intensity"] >= cost.ridge_point else "memory"
@@ -128,18 +153,27 @@ def roofline_from_table(
         vanilla_device = _device(table, ("vanilla", None, b), ep, trace, n) if vanilla is not None else \
             uniform_device
         row["latency_vanilla_us"] = cost.layer_latency_us(active, slots, b, vanilla_device)
+        row["latency_vanilla_us_ci"] = _latency_ci(cost, row["trace_vanilla_active_experts_ci"], slots, b, ep)
         for k0 in k0s:
             oea_t = _scaled(table, ("oea", k0, b), trace, n, k, b)
             row[f"oea_k0_{k0}_active_experts"] = oea_t
-            row[f"latency_oea_k0_{k0}_us"] = None
-            row[f"predicted_gain_k0_{k0}"] = None
+            row[f"oea_k0_{k0}_active_experts_ci"] = _scaled_ci(table, ("oea", k0, b), trace, n, k, b)
+            for name in (f"latency_oea_k0_{k0}_us", f"predicted_gain_k0_{k0}"):
+                row[name] = row[f"{name}_ci"] = None
             if oea_t is None or trace is None:
                 continue
-            per_token = table[("oea", k0, b)]["experts_per_token"] * k / trace.top_k
+            oea_slots = b * table[("oea", k0, b)]["experts_per_token"] * k / trace.top_k
             device = _device(table, ("oea", k0, b), ep, trace, n)
-            latency = cost.layer_latency_us(oea_t, b * per_token, b, device)
+            latency = cost.layer_latency_us(oea_t, oea_slots, b, device)
             row[f"latency_oea_k0_{k0}_us"] = latency
+            row[f"latency_oea_k0_{k0}_us_ci"] = _latency_ci(cost, row[f"oea_k0_{k0}_active_experts_ci"],
+                                                            oea_slots, b, ep)
             row[f"predicted_gain_k0_{k0}"] = 1.0 - latency / row["latency_vanilla_us"]
+            ratio_ci = table[("oea", k0, b)].get("ratio_ci")
+            if ratio_ci is not None and device is None:
+                gains = [1.0 - cost.layer_latency_us(r * active, oea_slots, b, None) / row["latency_vanilla_us"]
+                         for r in ratio_ci]
+                row[f"predicted_gain_k0_{k0}_ci"] = [min(gains), max(gains)]
         rows.append(row)
     return rows
 
@@ -151,6 +185,23 @@ def _scaled(table, key, trace: TraceRef | None, n: int, k: int, b: int) -> float
     if (trace.num_experts, trace.top_k) == (n, k):
         return entry["T"]
     return uniform_active_experts(n, k, b) * entry["T"] / uniform_active_experts(trace.num_experts, trace.top_k, b)
+
+
+def _scaled_ci(table, key, trace: TraceRef | None, n: int, k: int, b: int) -> list[float] | None:
+    entry = table.get(key)
+    if entry is None or trace is None or entry.get("T_ci") is None:
+        return None
+    scale = 1.0 if (trace.num_experts, trace.top_k) == (n, k) else (
+        uniform_active_experts(n, k, b) / uniform_active_experts(trace.num_experts, trace.top_k, b))
+    return [scale * bound for bound in entry["T_ci"]]
+
+
+def _latency_ci(cost: CostModel, t_ci: list[float] | None, slots: float, b: int, ep: int) -> list[float] | None:
+    """Latency at T's bounds (latency grows with T); ``None`` without an interval or under EP (the
+    busiest device's count has its own interval)."""
+    if t_ci is None or ep > 1:
+        return None
+    return [cost.layer_latency_us(t, slots, b, None) for t in t_ci]
 
 
 def _device(table, key, ep: int, trace: TraceRef | None, n: int) -> float | None:

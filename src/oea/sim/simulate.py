@@ -35,6 +35,16 @@ from oea.routing import RouterSpec, make_policy, policy_names, router_scores
 from oea.routing.catalog import needs_k0
 from oea.routing.spec import PrunedConfig
 from oea.sim.presets import ModelPreset
+from oea.sim.summary import (
+    DEFAULT_PRECISION,
+    MAX_BATCHES,
+    PILOT_BATCHES,
+    Samples,
+    add_ratios,
+    batches_for_precision,
+    extend,
+    summarise,
+)
 from oea.traces import Trace, load_trace
 
 Mode = Literal["mixed", "lockstep"]
@@ -242,7 +252,8 @@ class _Setting:
 
 
 def _settings(
-    policies: Sequence[str], k0s: Sequence[int], trace: Trace, options: Mapping[str, Mapping[str, Any]]
+    policies: Sequence[str], k0s: Sequence[int], trace: Trace, options: Mapping[str, Mapping[str, Any]],
+    ep: int | None = None,
 ) -> Iterator[_Setting]:
     known = policy_names()
     for name in options:
@@ -251,9 +262,18 @@ def _settings(
     for name in policies:
         if name not in known:
             raise ValueError(f"policy must be one of {known}, got {name!r}")
+    for values, what in ((policies, "policies"), (k0s, "k0 values")):
+        repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+        if repeated:
+            raise ValueError(f"{what} must not repeat, got {repeated} more than once")
     k = trace.spec.top_k
     for name in policies:
         extra = dict(options.get(name, {}))
+        if name == "ep-oea" and not {"placement", "ep"} & set(extra):
+            if ep is None:
+                raise ValueError("policy 'ep-oea' needs the expert-parallel degree: ep=N (--ep N), or a "
+                                 "placement in its policy options")
+            extra.update(ep=ep, num_experts=trace.spec.num_experts)  # contiguous placement, as the ep metric
         if not needs_k0(name):
             yield _Setting(name, None, make_policy(name, **extra))
             continue
@@ -276,7 +296,7 @@ def simulate(
     batch_sizes: Sequence[int] = (1, 4, 16, 64),
     mode: str = "mixed",
     seed: int = 0,
-    num_batches: int = 32,
+    num_batches: int | None = None,
     model_preset: str | ModelPreset | None = None,
     gpu: str | None = None,
     tp: int = 1,
@@ -285,6 +305,8 @@ def simulate(
     metrics: Sequence[Metric] = (),
     progress: Callable[[int, int], None] | None = None,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
+    precision: float = DEFAULT_PRECISION,
+    max_batches: int = MAX_BATCHES,
 ) -> list[dict[str, Any]]:
     """Replay ``trace`` through ``policies`` × ``k0s`` at each batch size; one result row per setting.
 
@@ -295,29 +317,40 @@ def simulate(
         batch_sizes: B values; every one must fit the pool (``mixed``) or the requests (``lockstep``).
         mode: ``"mixed"`` or ``"lockstep"``.
         seed: seeds batch formation; every policy sees the same batches.
-        num_batches: batches per batch size.
+        num_batches: batches per batch size (>= 2); ``None`` draws batches until the 95% interval of
+            every row's mean T is within ``precision`` of it (``oea.sim.summary``), at most ``max_batches``.
         model_preset / gpu / tp: latency prediction (``predicted_latency_us``) when both are given;
             ``model_preset`` (a built-in name or a ``ModelPreset``, e.g. from a preset file) defaults
             to the trace's ``meta['model_preset']`` when ``gpu`` is given.
-        ep: expert-parallel degree: adds ``max_device_active_experts`` (contiguous placement) and uses
-            it for the latency.
+        ep: expert-parallel degree: adds ``max_device_active_experts`` (contiguous placement), uses
+            it for the latency, and places ``ep-oea``'s experts (contiguously) unless its options do.
         layers: subset of layer indices (default: all).
         metrics: extra ``Metric`` functions; their per-batch values are averaged into the row.
         progress: called as ``progress(done, total)`` after each (batch size, layer).
         policy_options: extra ``make_policy`` options per policy name, e.g.
             ``{"budget": {"budget": 40}}``.
+        precision, max_batches: the automatic batch count (``num_batches=None``).
 
     Returns:
         Rows with ``trace``, ``mode``, ``policy``, ``k0``, ``batch_size``, ``num_batches``,
         ``mean_active_experts``, ``p50_active_experts``, ``p95_active_experts``,
         ``mean_experts_per_token``, ``kept_topk_share``, ``kept_mass`` (or ``None``),
         ``active_ratio_vs_vanilla`` (when vanilla is simulated), ``per_layer_active_experts``,
-        ``predicted_latency_us`` (or ``None``), ``max_device_active_experts`` (when ``ep``), ``note``
-        and the mean of every extra metric.
+        ``predicted_latency_us`` (or ``None``; ``latency_ratio_vs_vanilla``), ``max_device_active_experts``
+        (when ``ep``), ``note`` and the mean of every extra metric. Every mean and ratio has a
+        ``*_ci`` ``[low, high]`` 95% interval over the batches; ``t_ci_relative_half_width`` is T's
+        relative half-width (with ``t_ci_target`` and ``t_ci_target_met`` when the count was automatic).
     """
     if isinstance(trace, str):
         trace = load_trace(trace)
-    settings = list(_settings(policies, k0s, trace, policy_options or {}))
+    if num_batches is not None and (not isinstance(num_batches, int) or num_batches < 2):
+        raise ValueError(f"num_batches must be an integer >= 2 (an interval needs two batches), got {num_batches!r}")
+    if not 0 < precision < 1 or not isinstance(max_batches, int) or max_batches < PILOT_BATCHES:
+        raise ValueError(f"precision must be in (0, 1) and max_batches an integer >= {PILOT_BATCHES}, got "
+                         f"{precision!r} and {max_batches!r}")
+    if ep is not None and (not isinstance(ep, int) or ep < 1):
+        raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
+    settings = list(_settings(policies, k0s, trace, policy_options or {}, ep))
     layer_list = list(range(trace.num_layers)) if layers is None else list(layers)
     for layer in layer_list:
         if not 0 <= layer < trace.num_layers:
@@ -330,12 +363,15 @@ def simulate(
                  f"trace's T (N={trace.spec.num_experts})")
 
     generator = torch.Generator().manual_seed(seed)
-    batch_plan = {b: make_batches(trace, b, mode, num_batches, generator) for b in batch_sizes}
+    auto = num_batches is None
+    first = PILOT_BATCHES if auto else num_batches
+    batch_plan = {b: make_batches(trace, b, mode, first, generator) for b in batch_sizes}
     inputs = {layer: router_inputs(trace, layer) for layer in layer_list}
     rows = []
-    done, total = 0, len(batch_sizes) * len(layer_list)
-    for b, batches in batch_plan.items():
-        samples: dict[_Setting, list[dict[str, torch.Tensor]]] = {s: [] for s in settings}
+    counter = {"done": 0, "total": len(batch_sizes) * len(layer_list)}
+
+    def run(batches: torch.Tensor) -> dict[_Setting, Samples]:
+        samples: dict[_Setting, Samples] = {s: [] for s in settings}
         for layer in layer_list:
             logits, spec, mass = inputs[layer]
             vanilla_ids, _ = route_batches(logits, spec, None, batches)
@@ -347,11 +383,26 @@ def simulate(
                 for metric in extra:
                     values.update(metric(routed))
                 samples[setting].append(values)
-            done += 1
+            counter["done"] += 1
             if progress is not None:
-                progress(done, total)
-        rows.extend(_rows(trace, mode, b, num_batches, settings, samples, layer_list, cost, note))
-    _add_ratios(rows)
+                progress(counter["done"], counter["total"])
+        return samples
+
+    for b, batches in batch_plan.items():
+        samples, have = run(batches), first
+        for _ in range(8 if auto else 0):  # the estimate of the needed count settles in one or two rounds
+            needed = batches_for_precision(samples, precision, max_batches)
+            if needed <= have:
+                break
+            counter["total"] += len(layer_list)
+            more = run(make_batches(trace, b, mode, needed - have, generator))
+            samples = {s: extend(samples[s], more[s]) for s in settings}
+            have = needed
+        for setting in settings:
+            base = {"trace": trace.name, "mode": mode, "policy": setting.policy, "k0": setting.k0, "batch_size": b}
+            row = summarise(base, samples[setting], layer_list, cost, b, precision if auto else None)
+            rows.append({**row, "note": note})
+    add_ratios(rows, seed)
     return rows
 
 
@@ -369,59 +420,3 @@ def _cost_model(trace: Trace, model_preset: str | ModelPreset | None, gpu: str |
                          f"(--model-preset or --model-preset-file) to predict latency")
     preset = name if isinstance(name, ModelPreset) else get_model_preset(name)
     return CostModel(preset, get_gpu_preset(gpu), tp=tp, ep=ep or 1)
-
-
-_CORE_KEYS = ("active_experts", "experts_per_token", "kept_topk_share", "kept_mass", "token_slots")
-
-
-def _rows(trace, mode, batch_size, num_batches, settings, samples, layer_list, cost, note):
-    rows = []
-    for setting in settings:
-        per_layer = samples[setting]
-        stacked = {key: torch.stack([values[key] for values in per_layer]) for key in per_layer[0]}  # [L, nb]
-        active = stacked["active_experts"]
-        row: dict[str, Any] = {
-            "trace": trace.name,
-            "mode": mode,
-            "policy": setting.policy,
-            "k0": setting.k0,
-            "batch_size": batch_size,
-            "num_batches": num_batches,
-            "num_layers": len(layer_list),
-            "mean_active_experts": float(active.mean()),
-            "p50_active_experts": float(active.flatten().quantile(0.5)),
-            "p95_active_experts": float(active.flatten().quantile(0.95)),
-            "mean_experts_per_token": float(stacked["experts_per_token"].mean()),
-            "kept_topk_share": float(stacked["kept_topk_share"].mean()),
-            "kept_mass": float(stacked["kept_mass"].mean()) if "kept_mass" in stacked else None,
-            "per_layer_active_experts": [round(float(x), 3) for x in active.mean(-1)],
-            "predicted_latency_us": None,
-            "note": note,
-        }
-        for key, value in stacked.items():
-            if key not in _CORE_KEYS:
-                row[key] = float(value.mean())
-        if cost is not None:
-            device = stacked.get("max_device_active_experts")
-            latency = [
-                cost.layer_latency_us(float(t), float(s), batch_size, None if device is None else float(d))
-                for t, s, d in zip(
-                    active.flatten(), stacked["token_slots"].flatten(),
-                    (device.flatten() if device is not None else active.flatten()), strict=True,
-                )
-            ]
-            row["predicted_latency_us"] = float(np.mean(latency))
-            row["latency_model"] = f"{cost.model.name} on {cost.gpu.name} tp={cost.tp} ep={cost.ep}"
-        rows.append(row)
-    return rows
-
-
-def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    vanilla = {r["batch_size"]: r for r in rows if r["policy"] == "vanilla"}
-    for row in rows:
-        base = vanilla.get(row["batch_size"])
-        row["active_ratio_vs_vanilla"] = (
-            row["mean_active_experts"] / base["mean_active_experts"] if base else None
-        )
-        if base and row["predicted_latency_us"] is not None and base["predicted_latency_us"]:
-            row["latency_ratio_vs_vanilla"] = row["predicted_latency_us"] / base["predicted_latency_us"]
