@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -86,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage(parser)
     try:
         return int(handler(args) or 0)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (keeps the interpreter's final flush quiet)
+        return 0
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         command = " ".join(part for part in (args.command, getattr(args, "bench_command", None)) if part)

@@ -8,6 +8,7 @@ Every figure a user reads should carry its interval; the tools take them from he
   mean(b), resampled in pairs (same round / item) or independently.
 * ``paired_difference``: per-item differences, their standard error, t interval and the paired
   two-sided t-test (the rule is stated on ``PairedDifference``).
+* ``mean_of_estimates``: the mean of independent estimates with their standard errors (Welch–Satterthwaite).
 * ``linear_fit`` / ``r_squared``: ordinary least squares with R².
 
 Inputs are 1-D sequences of finite floats (lists, tuples, numpy arrays); every function raises
@@ -340,6 +341,34 @@ def paired_difference(
     return PairedDifference(mean, se, n, ci, t_stat, p_value, level)
 
 
+def mean_of_estimates(
+    estimates: Sequence[float], stderrs: Sequence[float], dfs: Sequence[float], level: float = DEFAULT_LEVEL
+) -> Interval:
+    """The mean of k independent estimates (e.g. a ΔCE measured at each of k batch sizes) with its interval.
+
+    ``stderr = sqrt(Σ se_i²) / k``; degrees of freedom by Welch–Satterthwaite,
+    ``(Σ se_i²)² / Σ (se_i⁴ / df_i)``; the interval is ``mean ± t_{(1+level)/2, df} · stderr``. All
+    standard errors 0 give the point itself. ``dfs`` are the estimates' own degrees of freedom (n_i - 1).
+    """
+    _check_level(level)
+    values = _values(estimates, "estimates")
+    errors = _values(stderrs, "stderrs")
+    freedom = _values(dfs, "dfs")
+    if not values.size == errors.size == freedom.size:
+        raise ValueError(f"estimates, stderrs and dfs must have equal length, got {values.size}, {errors.size} "
+                         f"and {freedom.size}")
+    if np.any(errors < 0) or np.any(freedom <= 0):
+        raise ValueError("stderrs must be >= 0 and dfs > 0")
+    mean = float(values.mean())
+    variances = errors**2
+    total = float(variances.sum())
+    if total == 0:
+        return Interval(mean, mean, mean, level, "t (combined)")
+    df = total**2 / float(np.sum(variances**2 / freedom))
+    half = t_quantile((1.0 + level) / 2.0, df) * math.sqrt(total) / values.size
+    return Interval(mean, mean - half, mean + half, level, "t (combined)")
+
+
 def unpaired_standard_error(a: Sequence[float], b: Sequence[float]) -> float:
     """Standard error of ``mean(a) - mean(b)`` for independent samples: ``sqrt(se_a² + se_b²)``.
 
@@ -408,6 +437,7 @@ __all__ = [
     "linear_fit",
     "mean_bootstrap_interval",
     "mean_interval",
+    "mean_of_estimates",
     "median_interval",
     "paired_difference",
     "r_squared",

@@ -15,6 +15,7 @@ from oea.stats import (
     linear_fit,
     mean_bootstrap_interval,
     mean_interval,
+    mean_of_estimates,
     median_interval,
     paired_difference,
     r_squared,
@@ -183,6 +184,18 @@ def test_ratio_of_means_is_paired_by_item_and_matches_a_loop_over_the_same_draws
     assert exact.bounds == (0.5, 0.5) and exact.method == "paired bootstrap"
     with pytest.raises(ValueError, match="denominator mean is 0"):
         ratio_of_means_interval([1.0, 2.0], [1.0, -1.0], rng, paired=True)
+
+
+def test_mean_of_independent_estimates_combines_their_errors():
+    combined = mean_of_estimates([1.0, 3.0], [1.0, 1.0], [10, 10])
+    # se = sqrt(1 + 1) / 2; df = (1 + 1)² / (1/10 + 1/10) = 20; t(0.975, 20) = 2.085963
+    assert combined.estimate == 2.0
+    assert combined.half_width == pytest.approx(2.085963 * math.sqrt(2) / 2, abs=1e-6)
+    one = mean_of_estimates([5.0], [0.5], [9])  # a single estimate keeps its own t interval
+    assert one.half_width == pytest.approx(2.262157 * 0.5, abs=1e-6)
+    assert mean_of_estimates([1.0, 2.0], [0.0, 0.0], [3, 3]).bounds == (1.5, 1.5)
+    with pytest.raises(ValueError, match="equal length"):
+        mean_of_estimates([1.0, 2.0], [0.1], [3, 3])
 
 
 def test_bad_input_is_named():

@@ -24,17 +24,17 @@ def test_comparison_matches_T_and_ep_aware_oea_beats_plain_oea_per_busiest_devic
                             adaptive=AdaptiveK0Config(((64, 3),)))
     by = {(r.policy, r.setting): r for r in rows}
     vanilla = by[("vanilla", "-")]
-    assert vanilla.quality_loss == 0.0 and vanilla.mean_experts_per_token == 8.0
+    assert vanilla.proxy_loss == 0.0 and vanilla.mean_experts_per_token == 8.0
     for k0 in (2, 4):
         plain, ep_aware = by[("oea", f"k0={k0}")], by[("ep-oea", f"k0={k0}")]
         pruned = by[("pruned", f"k0={k0}")]
         assert plain.mean_active_experts == pruned.mean_active_experts < vanilla.mean_active_experts
-        assert plain.quality_loss < pruned.quality_loss  # piggybacking recovers router mass
+        assert plain.proxy_loss < pruned.proxy_loss  # piggybacking recovers router mass
         assert ep_aware.max_device_active_experts == plain.max_device_active_experts
-        assert ep_aware.quality_loss <= plain.quality_loss
+        assert ep_aware.proxy_loss <= plain.proxy_loss
         budget = next(r for r in rows if r.policy == "budget" and r.setting == f"T={round(plain.mean_active_experts)}")
         assert abs(budget.mean_active_experts - plain.mean_active_experts) <= 1.0  # matched T
-    assert by[("adaptive", "k0=3")].quality_loss > 0
+    assert by[("adaptive", "k0=3")].proxy_loss > 0
     front = pareto_front(rows, "max_device_active_experts")
     assert all(r.policy != "pruned" for r in front)
     path = tmp_path / "cmp.png"

@@ -4,7 +4,8 @@
   mean T as their target, all teacher-forced on held-out text at one batch size.
 * ``adaptive_quality``: OEA at every k0 and batch size, then fixed-k0 and calibrated k0(B) schedules
   compared as points (mean ΔCE, mean T) averaged over the batch sizes; no extra runs are needed
-  because a schedule applies OEA(k0(B)) at each B.
+  because a schedule applies OEA(k0(B)) at each B. Each point's interval combines the per-batch-size
+  intervals (``oea.stats.mean_of_estimates``); dominance compares the point estimates.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from oea.routing import BudgetConfig, SubtractiveConfig
+from oea.stats import mean_of_estimates, t_quantile
 from oea.tuning.calibrate import adaptive_schedule_from_eval
 
 
@@ -37,9 +39,23 @@ def matched_t_quality(
     return rows
 
 
-def _mean_point(rows_by_b: dict[int, dict[int, dict]], k0_of_b: dict[int, int]) -> tuple[float, float]:
+def _t_stderr(row: dict[str, Any]) -> float:
+    """T's standard error from its 95% t interval over ``decode_steps`` steps (0 without an interval)."""
+    if row["mean_active_experts_ci"] is None:
+        return 0.0
+    low, high = row["mean_active_experts_ci"]
+    return (high - low) / 2 / t_quantile(0.975, row["decode_steps"] - 1)
+
+
+def _mean_point(rows_by_b: dict[int, dict[int, dict]], k0_of_b: dict[int, int]) -> dict[str, Any]:
+    """Mean ΔCE and mean T over the batch sizes, each with its combined 95% interval."""
     picks = [rows_by_b[b][k0_of_b[b]] for b in rows_by_b]
-    return (sum(r["delta_ce"] for r in picks) / len(picks), sum(r["mean_active_experts"] for r in picks) / len(picks))
+    delta = mean_of_estimates([r["delta_ce"] for r in picks], [r["delta_stderr"] for r in picks],
+                              [r["documents"] - 1 for r in picks])
+    active = mean_of_estimates([r["mean_active_experts"] for r in picks], [_t_stderr(r) for r in picks],
+                               [max(1, r["decode_steps"] - 1) for r in picks])
+    return {"delta_ce": delta.estimate, "delta_ce_ci": delta.as_list(),
+            "mean_active_experts": active.estimate, "mean_active_experts_ci": active.as_list()}
 
 
 def adaptive_quality(
@@ -63,11 +79,11 @@ def adaptive_quality(
     for tolerance in tolerances:
         cfg = adaptive_schedule_from_eval(rows, tolerance, top_k)
         point = _mean_point(by_b, {b: cfg.k0_for(b) for b in by_b})
-        dominates = [k0 for k0, (d, t) in fixed.items() if d >= point[0] and t >= point[1] and (d, t) != point]
-        dominated_by = [k0 for k0, (d, t) in fixed.items() if d <= point[0] and t <= point[1] and (d, t) != point]
-        adaptive[tolerance] = {"schedule": [list(e) for e in cfg.schedule], "delta_ce": point[0],
-                               "mean_active_experts": point[1], "dominates_fixed_k0": dominates,
-                               "dominated_by_fixed_k0": dominated_by}
-    return {"batch_sizes": list(batch_sizes), "rows": rows,
-            "fixed": {k0: {"delta_ce": d, "mean_active_experts": t} for k0, (d, t) in fixed.items()},
-            "adaptive": adaptive}
+        d, t = point["delta_ce"], point["mean_active_experts"]
+        dominates = [k0 for k0, f in fixed.items() if f["delta_ce"] >= d and f["mean_active_experts"] >= t
+                     and (f["delta_ce"], f["mean_active_experts"]) != (d, t)]
+        dominated_by = [k0 for k0, f in fixed.items() if f["delta_ce"] <= d and f["mean_active_experts"] <= t
+                        and (f["delta_ce"], f["mean_active_experts"]) != (d, t)]
+        adaptive[tolerance] = {"schedule": [list(e) for e in cfg.schedule], **point,
+                               "dominates_fixed_k0": dominates, "dominated_by_fixed_k0": dominated_by}
+    return {"batch_sizes": list(batch_sizes), "rows": rows, "fixed": fixed, "adaptive": adaptive}
