@@ -33,6 +33,9 @@ def test_cli_json_reports_every_shape_and_the_targets(capsys):
     for row in result["rows"]:
         assert row["vanilla_us"] > 0 and row["oea_us"] > 0 and row["naive_us"] > 0
         assert row["oea_vs_vanilla"] == row["oea_us"] / row["vanilla_us"]
+        for name in ("vanilla_us", "oea_us", "naive_us", "oea_vs_vanilla", "naive_vs_oea"):
+            low, high = row[f"{name}_ci"]  # median / ratio of medians with its bootstrap interval
+            assert low <= row[name] <= high
     assert set(result["targets"]) >= {"oea_vs_vanilla_max_B>=16", "naive_vs_oea_min_B>=16"}
 
 

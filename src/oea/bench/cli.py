@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from oea.console import add_batch_sizes_argument, int_at_least
+
 
 def _routing(args: argparse.Namespace) -> int:
     from oea.bench.routing import main
@@ -13,13 +15,14 @@ def _routing(args: argparse.Namespace) -> int:
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("routing", help="CPU microbenchmark: vanilla vs OEA vs a naive implementation")
-    p.add_argument("--num-experts", type=int, nargs="+", default=[64, 128, 256], metavar="N")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--k0", type=int, default=3)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256], metavar="B")
-    p.add_argument("--repeats", type=int, default=200, help="timed calls per variant and shape")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-experts", type=int_at_least(1), nargs="+", default=[64, 128, 256], metavar="N",
+                   help="router sizes N")
+    p.add_argument("--top-k", type=int_at_least(1), default=8, help="experts per token k (<= N)")
+    p.add_argument("--k0", type=int_at_least(1), default=3, help="OEA's k0 (<= --top-k)")
+    add_batch_sizes_argument(p, [1, 16, 64, 256], "batch sizes B (router rows per call)")
+    p.add_argument("--repeats", type=int_at_least(5), default=200, help="timed calls per variant and shape")
+    p.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0, help="seeds the router logits and the variant order")
     p.add_argument("--compile", action="store_true", help="time vanilla and OEA under torch.compile(fullgraph=True)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=_routing)

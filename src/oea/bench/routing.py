@@ -5,8 +5,9 @@ a Python loop over slots, boolean-mask indexing and ``unique`` with host synchro
 to the original slot); it exists only as the yardstick of this benchmark.
 
 Variants are interleaved inside every repeat (round-robin in a shuffled order) and inputs rotate
-over a pool, so drift and caches hit every variant alike; figures are medians with the
-interquartile range.
+over a pool, so drift and caches hit every variant alike; figures are medians with a bootstrap 95%
+interval (``*_us_ci``) and the interquartile range, and ratios are ratios of medians with a bootstrap
+interval paired by repeat (the variants of one repeat ran back to back on the same input; ``oea.stats``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 import oea
+from oea.console import format_interval, wide_console
+from oea.stats import median_interval, ratio_of_medians_interval
 
 Variant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -71,7 +76,7 @@ def _quantile(values: list[float], q: float) -> float:
 def measure(
     num_experts: int, batch_size: int, top_k: int, k0: int, repeats: int, seed: int, compiled: bool = False,
     pool: int = 8,
-) -> dict[str, float | int]:
+) -> dict[str, Any]:
     """Median and IQR (µs per call) of each variant for one shape."""
     gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(batch_size, num_experts, generator=gen) * 2 for _ in range(pool)]
@@ -89,13 +94,17 @@ def measure(
             start = time.perf_counter_ns()
             variants[name](x)
             times[name].append((time.perf_counter_ns() - start) / 1e3)
-    row: dict[str, float | int] = {"num_experts": num_experts, "batch_size": batch_size, "top_k": top_k, "k0": k0}
+    row: dict[str, Any] = {"num_experts": num_experts, "batch_size": batch_size, "top_k": top_k, "k0": k0}
+    rng = np.random.default_rng(seed)
     for name, samples in times.items():
         row[f"{name}_us"] = statistics.median(samples)
+        row[f"{name}_us_ci"] = median_interval(samples, rng).as_list()
         row[f"{name}_p25_us"] = _quantile(samples, 0.25)
         row[f"{name}_p75_us"] = _quantile(samples, 0.75)
-    row["oea_vs_vanilla"] = float(row["oea_us"]) / float(row["vanilla_us"])
-    row["naive_vs_oea"] = float(row["naive_us"]) / float(row["oea_us"])
+    for ratio, (top, bottom) in {"oea_vs_vanilla": ("oea", "vanilla"), "naive_vs_oea": ("naive", "oea")}.items():
+        interval = ratio_of_medians_interval(times[top], times[bottom], rng, paired=True)
+        row[ratio] = float(row[f"{top}_us"]) / float(row[f"{bottom}_us"])
+        row[f"{ratio}_ci"] = interval.as_list()
     return row
 
 
@@ -108,6 +117,12 @@ def run(
         raise ValueError(f"--threads must be >= 1, got {threads}")
     if repeats < 5:
         raise ValueError(f"--repeats must be >= 5, got {repeats}")
+    bad = [b for b in batch_sizes if not isinstance(b, int) or b < 1]
+    if bad or not batch_sizes:
+        raise ValueError(f"--batch-sizes must be integers >= 1, got {list(batch_sizes)}")
+    bad = [n for n in num_experts if not isinstance(n, int) or n < 1]
+    if bad or not num_experts:
+        raise ValueError(f"--num-experts must be integers >= 1, got {list(num_experts)}")
     for n in num_experts:
         if not 1 <= k0 <= top_k <= n:
             raise ValueError(f"need 1 <= --k0 <= --top-k <= num_experts, got k0={k0}, top_k={top_k}, N={n}")
@@ -134,20 +149,19 @@ def run(
 
 
 def _print_table(result: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"oea bench routing (torch {result['torch']}, {result['threads']} thread(s), "
-                  f"{result['mode']}, {result['repeats']} interleaved repeats, median µs [p25–p75])")
-    for col in ("N", "B", "vanilla", "OEA", "naive", "OEA/vanilla", "naive/OEA"):
-        table.add_column(col, justify="right")
+                  f"{result['mode']}, {result['repeats']} interleaved repeats; median µs [95% interval], "
+                  f"ratios of medians paired by repeat)")
+    for col in ("N", "B", "vanilla µs", "OEA µs", "naive µs", "OEA/vanilla", "naive/OEA"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in result["rows"]:
-        def cell(name: str, r: dict = r) -> str:
-            return f"{r[name + '_us']:.1f} [{r[name + '_p25_us']:.0f}–{r[name + '_p75_us']:.0f}]"
-
-        table.add_row(str(r["num_experts"]), str(r["batch_size"]), cell("vanilla"), cell("oea"), cell("naive"),
-                      f"{r['oea_vs_vanilla']:.2f}", f"{r['naive_vs_oea']:.1f}")
-    console = Console()
+        table.add_row(str(r["num_experts"]), str(r["batch_size"]),
+                      *(format_interval(r[f"{name}_us"], r[f"{name}_us_ci"]) for name in ("vanilla", "oea", "naive")),
+                      format_interval(r["oea_vs_vanilla"], r["oea_vs_vanilla_ci"], 2),
+                      format_interval(r["naive_vs_oea"], r["naive_vs_oea_ci"], 1))
+    console = wide_console()
     console.print(table)
     t = result["targets"]
     console.print(f"B >= 16: worst OEA/vanilla = {t['oea_vs_vanilla_max_B>=16']:.2f} (goal <= 1.5), "
