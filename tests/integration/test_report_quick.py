@@ -27,8 +27,9 @@ def test_report_writes_markdown_plots_and_results(quick_report) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     text = (out / "report.md").read_text()
     for heading in ("# OEA what-if report", "## 2. Simulated active experts", "## 3. Quality",
-                    "## 4. Predicted MoE-layer latency", "## 5. Roofline"):
-        assert heading in text
+                    "## 4. Predicted MoE-layer latency", "## 5. Roofline", "## 6. Beyond the paper", "## 7. Caveats"):
+        assert heading in text  # numbered by the driver, in order, no gaps
+    assert "± = 95% interval" in text and "paired t-test" in text
     for plot in ("t_vs_batch_qwen3.png", "t_vs_k0_qwen3.png", "latency_vs_batch.png"):
         assert (out / plot).stat().st_size > 1000, plot
         assert f"({plot})" in text

@@ -13,7 +13,8 @@ Steps (each a *section*: a function of the shared ``ReportContext`` returning Ma
 The sections live in ``oea.report.sections`` (one file each); what they share (``ReportContext``,
 ``md_table``, the registry ``register_section``) in ``oea.report.context``. More sections can be
 added with ``register_section``; each runs in order and may read what earlier sections stored in
-``ctx.results``. This module is the driver: it runs the registered sections and writes the files.
+``ctx.results``. This module is the driver: it runs the registered sections, numbers their ``##`` and
+``###`` headings in order (``number_headings``; sections write them without numbers) and writes the files.
 """
 
 from __future__ import annotations
@@ -46,10 +47,39 @@ for _name, _section in DEFAULT_SECTIONS:
 # ------------------------------------------------------------------------------------------------ driver
 
 
+def check_output_folder(out: pathlib.Path) -> None:
+    """``out`` must be a folder or not exist yet (``ValueError`` naming ``--out`` otherwise)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder; give a folder for report.md, results.json "
+                         f"and the plots")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+
+
+def number_headings(markdown: str) -> str:
+    """Number ``## Title`` as ``## 1. Title`` and ``### Sub`` as ``### 1.1 Sub``, in order (not in code blocks)."""
+    section = sub = 0
+    fenced = False
+    lines = []
+    for line in markdown.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## "):
+            section, sub = section + 1, 0
+            line = f"## {section}. {line[3:]}"
+        elif not fenced and line.startswith("### ") and section:
+            sub += 1
+            line = f"### {section}.{sub} {line[4:]}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def build_report(out: pathlib.Path, quick: bool = False, seed: int = 0, console: Any = None) -> ReportContext:
     """Run every registered section and write ``out/report.md`` and ``out/results.json``."""
     from rich.console import Console
 
+    check_output_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(out=out, sizes=QUICK if quick else FULL, seed=seed,
                         console=console or Console(stderr=True), quick=quick)
@@ -66,7 +96,7 @@ def build_report(out: pathlib.Path, quick: bool = False, seed: int = 0, console:
         ctx.timings[name] = time.perf_counter() - started
     timing = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in ctx.timings.items())
     parts.append(f"---\nSection run times on this machine: {timing}.")
-    (out / "report.md").write_text("\n\n".join(parts) + "\n")
+    (out / "report.md").write_text(number_headings("\n\n".join(parts)) + "\n")
     (out / "results.json").write_text(json.dumps(_jsonable(ctx), indent=1, default=str) + "\n")
     return ctx
 
@@ -80,26 +110,29 @@ def _jsonable(ctx: ReportContext) -> dict[str, Any]:
 def _summary(ctx: ReportContext) -> None:
     from rich.table import Table
 
-    from oea.console import wide_console
+    from oea.console import format_interval, wide_console
 
     rows = ctx.results.get("simulation", {}).get("qwen3-30b-a3b/mixed", [])
     latency = {(r["batch_size"]): r for r in ctx.results.get("latency", [])
                if r["model"] == "qwen3-30b-a3b" and r["gpu"] == "h100-sxm"}
     focus = 16 if any(r["batch_size"] == 16 for r in rows) else max((r["batch_size"] for r in rows), default=0)
-    table = Table(title=f"Qwen3-30B-A3B trace, mixed batches, B = {focus} (predicted latency: 1× H100)")
+    table = Table(title=f"Qwen3-30B-A3B trace, mixed batches, B = {focus} (± = 95% interval over batches)")
     for column in ("policy", "k0", "T", "T / vanilla", "experts/token", "kept top-k"):
         table.add_column(column, justify="right")
     for r in sorted((r for r in rows if r["batch_size"] == focus),
                     key=lambda r: (r["policy"] != "vanilla", r["policy"], r["k0"] or 0)):
-        table.add_row(r["policy"], "-" if r["k0"] is None else str(r["k0"]), f"{r['mean_active_experts']:.1f}",
-                      f"{r['active_ratio_vs_vanilla']:.2f}", f"{r['mean_experts_per_token']:.2f}",
-                      f"{r['kept_topk_share']:.2f}")
+        table.add_row(r["policy"], "-" if r["k0"] is None else str(r["k0"]),
+                      format_interval(r["mean_active_experts"], r["mean_active_experts_ci"]),
+                      format_interval(r["active_ratio_vs_vanilla"], r["active_ratio_vs_vanilla_ci"], 2),
+                      format_interval(r["mean_experts_per_token"], r["mean_experts_per_token_ci"], 2),
+                      format_interval(r["kept_topk_share"], r["kept_topk_share_ci"], 2))
     console = wide_console()
     console.print(table)
     if focus in latency:
         r = latency[focus]
-        gains = ", ".join(f"OEA k0={k.rsplit('_', 1)[1]}: {100 * v:.0f}% faster" for k, v in r.items()
-                          if k.startswith("predicted_gain_k0_") and v is not None)
+        gains = ", ".join(
+            f"OEA k0={k0}: {_gain(r, k0)}% faster" for k0 in ctx.sizes.curve_k0s
+            if r.get(f"predicted_gain_k0_{k0}") is not None)
         console.print(f"predicted MoE layer latency at B={focus}: vanilla {r['latency_vanilla_us']:.0f} µs; {gains}")
     quality = ctx.results.get("quality", {})
     if not quality.get("available"):
@@ -110,9 +143,17 @@ def _summary(ctx: ReportContext) -> None:
         console.print(f"[red]{error}[/]")
 
 
+def _gain(row: dict[str, Any], k0: int) -> str:
+    from oea.console import format_interval
+
+    ci = row[f"predicted_gain_k0_{k0}_ci"]
+    return format_interval(100 * row[f"predicted_gain_k0_{k0}"], None if ci is None else [100 * c for c in ci], 0)
+
+
 def main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(max(1, args.threads))
     out = pathlib.Path(args.out)
+    check_output_folder(out)  # before any work
+    torch.set_num_threads(args.threads)
     ctx = build_report(out, quick=args.quick, seed=args.seed)
     if args.json:
         print(json.dumps(_jsonable(ctx), indent=1, default=str))

@@ -84,16 +84,22 @@ def quality_pareto(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pathli
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     delta = all(r.get("delta_ce") is not None for r in rows if r["policy"] != "vanilla")
-    value, error = ("delta_ce", "delta_stderr") if delta else ("cross_entropy", "stderr")
+    value = "delta_ce" if delta else "cross_entropy"
     keys = sorted({(r["policy"], r["batch_size"]) for r in rows})
     for policy, batch in keys:
-        points = sorted((r["mean_active_experts"], r.get(value) or 0.0, r.get(error) or 0.0)
-                        for r in rows if r["policy"] == policy and r["batch_size"] == batch)
-        ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                    marker="o", capsize=2, label=f"{policy} B={batch}")
+        points = []
+        for r in rows:
+            if r["policy"] == policy and r["batch_size"] == batch:
+                y = r.get(value) or 0.0
+                low, high = r.get(f"{value}_ci") or (y, y)
+                points.append((r["mean_active_experts"], y, y - low, high - y))
+        points.sort()
+        ax.errorbar([p[0] for p in points], [p[1] for p in points],
+                    yerr=[[p[2] for p in points], [p[3] for p in points]], marker="o", capsize=2,
+                    label=f"{policy} B={batch}")
     ax.set_xlabel("mean active experts T")
-    ax.set_ylabel("Δ cross-entropy vs vanilla (nats/token, paired SE)" if delta
-                  else "held-out cross-entropy (nats/token)")
+    ax.set_ylabel("Δ cross-entropy vs vanilla (nats/token, paired 95% interval)" if delta
+                  else "held-out cross-entropy (nats/token, 95% interval)")
     ax.set_title("quality vs active experts (lower-left is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

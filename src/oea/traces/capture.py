@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -159,7 +160,7 @@ def document_prompts(
         if len(prompts) == batch_size:
             return prompts, names
     raise ValueError(f"only {len(prompts)} documents have >= {prompt_tokens} tokens; need batch size "
-                     f"{batch_size} (lower --batch-size or --prompt-tokens)")
+                     f"{batch_size} (lower --batch-sizes or --prompt-tokens)")
 
 
 def capture_embedded(
@@ -192,7 +193,6 @@ def capture_embedded(
 def _checkpoint_digest(model_path: str | None) -> str | None:
     """SHA-256 of the checkpoint's ``model.safetensors`` (which weights produced the trace)."""
     import hashlib
-    import pathlib
 
     from oea.models import embedded_model_dir
 
@@ -200,12 +200,37 @@ def _checkpoint_digest(model_path: str | None) -> str | None:
     return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
 
 
+DEFAULT_FILE = "embedded-trace.safetensors"
+
+
+def output_path(out: str) -> pathlib.Path:
+    """Where ``oea capture --out OUT`` writes: OUT, or ``OUT/embedded-trace.safetensors`` when OUT is a
+    folder (existing, or written with a trailing ``/``). Checked before the capture runs."""
+    import os
+
+    path = pathlib.Path(out)
+    if out.endswith(("/", os.sep)) or path.is_dir():
+        path = path / DEFAULT_FILE
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"--out {out}: folder {path.parent} does not exist")
+    return path
+
+
 def main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(max(1, args.threads))
-    trace = capture_embedded(args.batch_size, args.prompt_tokens, args.new_tokens, args.seed, args.model)
+    import json
+
+    path = output_path(args.out)
+    [batch_size] = args.batch_sizes
+    torch.set_num_threads(args.threads)
+    trace = capture_embedded(batch_size, args.prompt_tokens, args.new_tokens, args.seed, args.model)
     if args.name:
         trace.meta["name"] = args.name
-    path = save_trace(trace, args.out)
+    path = save_trace(trace, path)
+    if args.json:
+        print(json.dumps({"written": str(path), "name": trace.name, "tokens": trace.num_tokens,
+                          "layers": trace.num_layers, "num_experts": trace.spec.num_experts,
+                          "top_k": trace.spec.top_k, "batch_size": batch_size, "new_tokens": args.new_tokens}))
+        return 0
     print(f"wrote {path}: {trace.num_tokens} tokens x {trace.num_layers} layers x {trace.spec.num_experts} "
-          f"experts (lock-step B={args.batch_size}, {args.new_tokens} steps)")
+          f"experts (lock-step B={batch_size}, {args.new_tokens} steps)")
     return 0

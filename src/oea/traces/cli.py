@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from oea.console import add_batch_sizes_argument, int_at_least
+
 IMPORT_OPTIONS = ("out", "num_experts", "top_k", "scoring", "trace_name", "model", "model_preset", "source",
                   "licence")
 
@@ -137,13 +139,17 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.set_defaults(handler=_traces)
 
     c = commands.add_parser("capture", help="record a routing trace (full router logits) during real decode")
-    c.add_argument("--model", default=None, help="transformers model path (default: the embedded model)")
-    c.add_argument("--out", default="embedded-trace.safetensors", help="trace file to write")
-    c.add_argument("--batch-size", type=int, default=16,
-                   help="sequences (from different documents) decoded together in lock-step")
-    c.add_argument("--prompt-tokens", type=int, default=32, help="tokens of each document used as prompt")
-    c.add_argument("--new-tokens", type=int, default=32, help="decode steps recorded per sequence")
-    c.add_argument("--name", default=None, help="trace name stored in the metadata")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    c.add_argument("--model", default=None, metavar="PATH",
+                   help="HF checkpoint directory with its tokenizer (default: the embedded model)")
+    c.add_argument("--out", default="embedded-trace.safetensors", metavar="FILE_OR_FOLDER",
+                   help="trace file to write (.safetensors + .json sidecar); a folder (existing, or ending in /) "
+                        "gets embedded-trace.safetensors inside it")
+    add_batch_sizes_argument(c, [16], "sequences (from different documents) decoded together in lock-step "
+                             "(one batch size)", single=True, legacy_alias=True)
+    c.add_argument("--prompt-tokens", type=int_at_least(1), default=32, help="tokens of each document used as prompt")
+    c.add_argument("--new-tokens", type=int_at_least(1), default=32, help="decode steps recorded per sequence")
+    c.add_argument("--name", default=None, help="trace name stored in the metadata (default: embedded or the path)")
+    c.add_argument("--seed", type=int, default=0, help="seeds which documents are used")
+    c.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
+    c.add_argument("--json", action="store_true", help="print what was written as JSON")
     c.set_defaults(handler=_capture)

@@ -7,7 +7,7 @@ from oea.report.context import ReportContext
 
 def section_caveats(ctx: ReportContext) -> str:
     return "\n".join([
-        "## 8. Caveats",
+        "## Caveats",
         "",
         "- The Qwen3 trace is prefill of about 4 ShareGPT prompts (ids only): mixed batches from it are less "
         "diverse than 16 independent requests, so its vanilla T (≈ 65 at B = 16) is a lower bound; OEA there "

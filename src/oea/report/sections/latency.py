@@ -1,9 +1,10 @@
-"""Report sections 4 and 5: predicted MoE-layer latency of several deployments, and the roofline."""
+"""Report sections: predicted MoE-layer latency of several deployments, and the roofline."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from oea.console import format_interval
 from oea.report.context import ReportContext, md_table
 
 # (model preset, gpu preset, tp, ep) deployments whose latency the report predicts
@@ -26,7 +27,7 @@ def section_latency(ctx: ReportContext) -> str:
     ref = TraceRef("qwen3-30b-a3b", 128, 8)
     k0s = list(s.curve_k0s)
     lines = [
-        "## 4. Predicted MoE-layer latency",
+        "## Predicted MoE-layer latency",
         "",
         "Cost model (paper §3.1): per layer `fixed + b·T + a·(token slots)`, b = expert bytes / memory bandwidth, "
         "a = expert FLOPs per token / tensor-core peak (datasheet peaks; tensor parallel adds an all-reduce, "
@@ -55,12 +56,17 @@ def section_latency(ctx: ReportContext) -> str:
         curves[title] = curve
         for r in roof:
             if r["batch_size"] in (16, 64) or r["batch_size"] == s.batch_sizes[-1]:
-                summary.append([title, r["batch_size"], r["bound"], r["trace_vanilla_active_experts"],
-                                r["latency_vanilla_us"]]
-                               + [v for k0 in k0s for v in (r[f"latency_oea_k0_{k0}_us"],
-                                                             _pct(r[f"predicted_gain_k0_{k0}"]))])
+                vanilla_t = format_interval(r["trace_vanilla_active_experts"], r["trace_vanilla_active_experts_ci"])
+                summary.append([title, r["batch_size"], r["bound"], vanilla_t,
+                                format_interval(r["latency_vanilla_us"], r["latency_vanilla_us_ci"])]
+                               + [v for k0 in k0s for v in (
+                                   format_interval(r[f"latency_oea_k0_{k0}_us"], r[f"latency_oea_k0_{k0}_us_ci"]),
+                                   _pct(r[f"predicted_gain_k0_{k0}"], r[f"predicted_gain_k0_{k0}_ci"]))])
     ctx.results["latency"] = all_rows
     lines += [
+        "± / [...] = 95% interval from the trace's T (over simulated batches); under EP the busiest device's "
+        "T has no interval here. The cost model itself has none: it is a prediction, not a measurement.",
+        "",
         md_table(["deployment", "B", "bound", "T vanilla", "vanilla µs"]
                  + [h for k0 in k0s for h in (f"OEA k0={k0} µs", f"gain k0={k0}")], _dedupe(summary)),
         "",
@@ -69,8 +75,10 @@ def section_latency(ctx: ReportContext) -> str:
     return "\n".join(lines)
 
 
-def _pct(value: float | None) -> str | None:
-    return None if value is None else f"{100 * value:.0f}%"
+def _pct(value: float | None, ci: list[float] | None = None) -> str | None:
+    if value is None:
+        return None
+    return format_interval(100 * value, None if ci is None else [100 * c for c in ci], 0) + "%"
 
 
 def _dedupe(rows: list[list[Any]]) -> list[list[Any]]:
@@ -93,7 +101,7 @@ def section_roofline(ctx: ReportContext) -> str:
     ctx.results["roofline"] = rows
     first = rows[0]
     return "\n".join([
-        "## 5. Roofline: when does OEA help? (GLM-5, NVFP4, 8× RTX PRO 6000, TP8)",
+        "## Roofline: when does OEA help? (GLM-5, NVFP4, 8× RTX PRO 6000, TP8)",
         "",
         f"Ridge point {first['ridge_point_flops_per_byte']:.0f} FLOP/byte; loading one expert share costs "
         f"b = {first['expert_load_us']:.2f} µs, one token slot a = {first['token_compute_us']:.4f} µs. "
@@ -102,6 +110,7 @@ def section_roofline(ctx: ReportContext) -> str:
         f"the full table with OEA T.)",
         "",
         md_table(["B", "T uniform", "T trace (scaled)", "FLOP/byte", "bound", "memory µs", "compute µs"],
-                 [[r["batch_size"], r["uniform_active_experts"], r["trace_vanilla_active_experts"],
+                 [[r["batch_size"], r["uniform_active_experts"],
+                   format_interval(r["trace_vanilla_active_experts"], r["trace_vanilla_active_experts_ci"]),
                    r["arithmetic_intensity"], r["bound"], r["memory_us"], r["compute_us"]] for r in rows]),
     ])

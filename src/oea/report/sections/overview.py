@@ -1,4 +1,4 @@
-"""Report sections 0 and 1: the overview and the trace captured from the embedded model."""
+"""The report's first sections: the overview and the trace captured from the embedded model."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def section_capture(ctx: ReportContext) -> str:
     from oea.traces import save_trace
     from oea.traces.capture import capture_embedded
 
-    lines = ["## 1. Trace captured from the embedded model", ""]
+    lines = ["## Trace captured from the embedded model", ""]
     s = ctx.sizes
     try:
         trace = capture_embedded(s.capture_batch, s.capture_prompt_tokens, s.capture_new_tokens, ctx.seed)

@@ -1,10 +1,11 @@
-"""Report section 2: active experts T of every registered policy on the bundled and captured traces."""
+"""Report section: active experts T of every registered policy on the bundled and captured traces."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from oea.console import format_interval
 from oea.report.context import CORE_POLICIES, ReportContext, md_table
 
 
@@ -40,16 +41,14 @@ def _simulate_all(ctx: ReportContext, trace: Any, mode: str, batch_sizes: Sequen
         try:
             with ctx.progress(f"simulating {label}: {name}") as update:
                 extra_k0s = [k0 for k0 in s.extra_policy_k0s if k0 <= trace.spec.top_k]
-                extra = simulate(trace, policies=(name,), k0s=extra_k0s, batch_sizes=batch_sizes,
+                # with vanilla in the same call, the ratio to vanilla is paired by batch
+                extra = simulate(trace, policies=("vanilla", name), k0s=extra_k0s, batch_sizes=batch_sizes,
                                  mode=mode, seed=ctx.seed, num_batches=s.num_batches, layers=layers,
                                  progress=update)
         except (ValueError, TypeError, RuntimeError) as err:
             errors.append(f"policy `{name}` could not be simulated on {label}: {type(err).__name__}: {err}")
             continue
-        vanilla = {r["batch_size"]: r["mean_active_experts"] for r in rows if r["policy"] == "vanilla"}
-        for row in extra:
-            row["active_ratio_vs_vanilla"] = row["mean_active_experts"] / vanilla[row["batch_size"]]
-        rows.extend(extra)
+        rows.extend(row for row in extra if row["policy"] != "vanilla")
     return rows, errors
 
 
@@ -58,10 +57,15 @@ def _t_table(rows: Sequence[dict[str, Any]], batch_size: int) -> str:
                     key=lambda r: (r["policy"] != "vanilla", r["policy"], r["k0"] or 0))
     return md_table(
         ["policy", "k0", "T mean", "T p50", "T p95", "T / vanilla", "experts/token", "kept top-k", "kept mass"],
-        [[r["policy"], r["k0"], r["mean_active_experts"], r["p50_active_experts"], r["p95_active_experts"],
-          r["active_ratio_vs_vanilla"], r["mean_experts_per_token"], r["kept_topk_share"], r["kept_mass"]]
+        [[r["policy"], r["k0"], format_interval(r["mean_active_experts"], r["mean_active_experts_ci"]),
+          r["p50_active_experts"], r["p95_active_experts"],
+          format_interval(r["active_ratio_vs_vanilla"], r["active_ratio_vs_vanilla_ci"], 2),
+          format_interval(r["mean_experts_per_token"], r["mean_experts_per_token_ci"], 2),
+          format_interval(r["kept_topk_share"], r["kept_topk_share_ci"], 2),
+          format_interval(r["kept_mass"], r["kept_mass_ci"], 2)]
          for r in chosen],
-    )
+    ) + f"\n\n± = 95% interval over the {chosen[0]['num_batches'] if chosen else 0} batches (t); T / vanilla: " \
+        "ratio of means, bootstrap interval paired by batch."
 
 
 def section_simulation(ctx: ReportContext) -> str:
@@ -70,7 +74,7 @@ def section_simulation(ctx: ReportContext) -> str:
     from oea.traces import load_trace
 
     s = ctx.sizes
-    lines = ["## 2. Simulated active experts", ""]
+    lines = ["## Simulated active experts", ""]
     qwen3 = load_trace("qwen3-30b-a3b")
     rows, errors = _simulate_all(ctx, qwen3, "mixed", s.batch_sizes, s.qwen3_layers, "qwen3-30b-a3b")
     ctx.results["simulation"] = {"qwen3-30b-a3b/mixed": rows}
@@ -78,7 +82,7 @@ def section_simulation(ctx: ReportContext) -> str:
     layers_text = f"all {qwen3.num_layers}" if s.qwen3_layers is None else str(list(s.qwen3_layers))
     focus = 16 if 16 in s.batch_sizes else s.batch_sizes[-1]
     lines += [
-        f"### 2.1 Real Qwen3-30B-A3B routing (bundled trace, {qwen3.num_tokens} tokens, mixed batches)",
+        f"### Real Qwen3-30B-A3B routing (bundled trace, {qwen3.num_tokens} tokens, mixed batches)",
         "",
         f"{rows[0]['note']}. Layers: {layers_text}. "
         f"Uniform routing would give T = {uniform[focus]:.1f} at B = {focus}.",
@@ -105,7 +109,7 @@ def section_simulation(ctx: ReportContext) -> str:
         ctx.results["simulation"]["embedded/lockstep"] = emb_lock
         lock_focus = max(lockstep_sizes)
         lines += [
-            "### 2.2 Embedded model (captured above, full router logits)",
+            "### Embedded model (captured above, full router logits)",
             "",
             f"Lock-step batches (B requests at the same decode step, the real decode setting), B = {lock_focus}:",
             "",
@@ -117,14 +121,14 @@ def section_simulation(ctx: ReportContext) -> str:
             "",
         ]
     else:
-        lines += ["### 2.2 Embedded model", "", "**Skipped**: no captured trace (see section 1).", ""]
+        lines += ["### Embedded model", "", "**Skipped**: no captured trace (see the capture section above).", ""]
     flame = load_trace("flame-moe-290m")
     flame_sizes = [b for b in s.batch_sizes if b <= 64]
     flame_rows, flame_errors = _simulate_all(ctx, flame, "lockstep", flame_sizes, None, "flame-moe-290m")
     errors += flame_errors
     ctx.results["simulation"]["flame-moe-290m/lockstep"] = flame_rows
     lines += [
-        "### 2.3 FLAME-MoE-290M (natural 64-sequence batches, top-6 probabilities)",
+        "### FLAME-MoE-290M (natural 64-sequence batches, top-6 probabilities)",
         "",
         f"{flame_rows[0]['note']}. Nearly uniform expert popularity; the only bundled set with router "
         f"probabilities, hence `kept mass`. B = {min(16, max(flame_sizes))}:",
