@@ -123,6 +123,28 @@ def machine_description(device: str, threads: int) -> str:
     return f"{model}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}"
 
 
+def check_config(config: LayerBenchConfig) -> None:
+    """What can be checked before any weight is built (the CLI calls it before re-executing itself):
+    device, batch size, rounds, threads, dtype, preset and k0 (errors name the flag)."""
+    from oea.sim.presets import get_model_preset
+
+    if config.device not in DEVICES:
+        raise ValueError(f"--device must be one of {list(DEVICES)}, got {config.device!r}")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if config.batch_size < 1:
+        raise ValueError(f"--batch-sizes must be >= 1, got {config.batch_size}")
+    if config.repeats < 1 or config.warmup < 0:
+        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {config.repeats}, {config.warmup}")
+    if config.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {config.threads}")
+    resolve_dtype(config.dtype)
+    shape = config.shape or MoEShape.from_preset(get_model_preset(config.preset), config.tp)
+    for k0 in config.k0s:
+        if not isinstance(k0, int) or not 1 <= k0 <= shape.top_k:
+            raise ValueError(f"--k0 must be in 1..top_k={shape.top_k}, got {k0!r}")
+
+
 def run_layer_bench(
     config: LayerBenchConfig, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
@@ -133,16 +155,7 @@ def run_layer_bench(
     """
     from oea.sim.presets import get_model_preset
 
-    if config.device not in DEVICES:
-        raise ValueError(f"--device must be one of {list(DEVICES)}, got {config.device!r}")
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    if config.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}")
-    if config.repeats < 1 or config.warmup < 0:
-        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {config.repeats}, {config.warmup}")
-    if config.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {config.threads}")
+    check_config(config)
     dtype = resolve_dtype(config.dtype)
     shape = config.shape or MoEShape.from_preset(get_model_preset(config.preset), config.tp)
     impl = _resolve_impl(config.impl, config.device, dtype)

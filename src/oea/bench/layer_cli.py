@@ -9,6 +9,8 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING
 
+from oea.console import add_batch_sizes_argument, int_at_least
+
 if TYPE_CHECKING:
     from oea.bench.layer_inputs import LayerBenchConfig
 
@@ -20,7 +22,7 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
     from oea.bench.layer_inputs import LayerBenchConfig
 
     return LayerBenchConfig(
-        preset=args.preset, batch_size=args.batch_size, k0s=tuple(args.k0), policies=tuple(args.policies),
+        preset=args.preset, batch_size=args.batch_sizes[0], k0s=tuple(args.k0), policies=tuple(args.policies),
         trace=args.trace, repeats=args.repeats, warmup=args.warmup, threads=args.threads, device=args.device,
         dtype=args.dtype, t_sweep=None if args.t_sweep is None else tuple(args.t_sweep), seed=args.seed,
         impl=args.impl, tp=args.tp, weight_copies=args.weight_copies,
@@ -29,11 +31,12 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
 
 def _layer(args: argparse.Namespace) -> int:
     """Handler of ``oea bench layer``."""
-    from oea.bench.layer import run_layer_bench
+    from oea.bench.layer import check_config, run_layer_bench
     from oea.bench.layer_fit import write_fit
     from oea.bench.layer_output import plot_result, render_table
 
     config = config_from_args(args)
+    check_config(config)  # bad flags fail here, in one line, before the re-run below
     quiet = args.json
     progress = None
     if not quiet:
@@ -88,28 +91,30 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     )
     p.add_argument("--preset", default="qwen3-30b-a3b", help="model preset (oea.sim.presets), e.g. qwen3-30b-a3b, "
                    "olmoe-1b-7b, glm-5 (with --tp 8)")
-    p.add_argument("--batch-size", type=int, default=16, help="B, decode tokens per layer call")
-    p.add_argument("--k0", type=int, nargs="+", default=[3], help="baseline experts per token for pruned and oea")
+    add_batch_sizes_argument(p, [16], "B, decode tokens per layer call (one batch size per run)", single=True,
+                             legacy_alias=True)
+    p.add_argument("--k0", type=int_at_least(1), nargs="+", default=[3],
+                   help="baseline experts per token for pruned and oea, each in 1..top_k")
     p.add_argument("--policies", nargs="+", default=["vanilla", "pruned", "oea"],
                    help="policy rows to time (vanilla, pruned, oea)")
     p.add_argument("--trace", default=None, metavar="NAME_OR_PATH",
                    help="bundled trace or trace file for the policy rows; 'random' = Gaussian logits; "
                    "default: the trace bundled for the preset, else random")
-    p.add_argument("--repeats", type=int, default=20, help="timed rounds (each times every variant once)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--repeats", type=int_at_least(1), default=20, help="timed rounds (each times every variant once)")
+    p.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed rounds first")
+    p.add_argument("--threads", type=int_at_least(1), default=2, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the layer runs")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (bf16), float16 (fp16) or float32 (fp32)")
-    p.add_argument("--t-sweep", type=int, nargs="*", default=None, metavar="T",
+    p.add_argument("--t-sweep", type=int_at_least(1), nargs="*", default=None, metavar="T",
                    help="exact active-expert counts for the synthetic sweep (default: 5 values from k to "
                    "min(N, B·k); give the flag with no value for no sweep)")
     p.add_argument("--impl", default="auto", choices=["auto", "loop", "grouped"],
                    help="expert computation: per-expert loop or torch._grouped_mm (auto: grouped where it works)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel slice: intermediate size / tp")
-    p.add_argument("--weight-copies", type=int, default=None,
+    p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel slice: intermediate size / tp")
+    p.add_argument("--weight-copies", type=int_at_least(1), default=None,
                    help="independent layer copies rotated over (default: enough for 256 MiB, memory permitting)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of latency vs T")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, random logits and trace batches")
     p.add_argument("--write-fit", nargs="?", const=DEFAULT_FIT, default=None, metavar="PATH",
                    help="write the fit for the cost model (no PATH: the cpu preset's "
                    "src/oea/sim/data/cpu_layer_fit.json)")

@@ -187,7 +187,8 @@ def policy_variants(
     if name == RANDOM_TRACE:
         spec = _preset_router(config.preset, n, k)
         batches = [torch.randn(b, n, generator=generator) * 2.0 for _ in range(num_batches)]
-        note = f"random Gaussian router logits, {spec.scoring} router (overstates T; see design/landscape.md §5)"
+        note = (f"random Gaussian router logits, {spec.scoring} router (overstates T: random logits spread over "
+                f"all experts, trained routers concentrate on popular ones; use a trace for realistic T)")
         id_only = False
     else:
         from oea.sim.simulate import make_batches, router_inputs

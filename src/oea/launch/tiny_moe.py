@@ -3,7 +3,8 @@
 Fallback model for the vLLM engine tests and the serving A/B when the embedded model
 (``oea.models.embedded_model_dir()``) is absent. Hidden 256, 4 layers, 64 experts, top-8,
 ``norm_topk_prob=True``; router gates x20 and expert ``down_proj`` x5 after init so that routing
-visibly changes the output (see design/cpu-recipes.md §2.3). About 28M parameters, 56 MB in bf16.
+visibly changes the output (a freshly initialised router is nearly uniform and experts barely differ,
+so rerouting would not show in the tokens). About 28M parameters, 56 MB in bf16.
 
 Run with the interpreter that will serve it (its transformers writes the checkpoint format)::
 
