@@ -23,6 +23,7 @@ for var in ("OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
     os.environ.pop(var, None)
 import oea.integrations.vllm as plugin
 from oea.config import settings_from_env
+from oea.kernels import numba_softmax_oea
 from oea.routing import OEAConfig, route
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter, _softmax_topk
 
@@ -89,7 +90,7 @@ for seed in range(24):
     for x in (torch.randn(m, n, generator=g) * 3,
               (torch.stack([torch.randperm(n, generator=g) for _ in range(m)]).float() / 10 - 6).bfloat16()):
         ref_i, ref_w = route(x, spec, OEAConfig(k0=k0, min_batch=0), valid)
-        got_w, got_i = plugin.numba_softmax_oea(x, 8, k0, renorm, valid)
+        got_w, got_i = numba_softmax_oea(x, 8, k0, renorm, valid)
         used = dense(got_w, got_i) if n == 64 else torch.zeros(m, n).scatter_add(1, got_i.long(), got_w)
         ref = torch.zeros(m, n).scatter_add(1, ref_i, ref_w)
         if not torch.allclose(used, ref, atol=1e-5) or got_i.dtype != torch.int32 or not bool(

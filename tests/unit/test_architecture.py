@@ -26,7 +26,9 @@ FILE_IO_MODULES = frozenset({"os", "io", "pathlib", "shutil", "tempfile", "glob"
 TOOLS = ("oea.traces", "oea.sim", "oea.eval", "oea.bench", "oea.tuning", "oea.launch", "oea.report")
 TOP_CLI = frozenset({"oea.cli", "oea.__main__"})
 # What the engine adapters may import of the project besides their own package and the ``oea`` facade.
-ADAPTER_MAY_IMPORT = ("oea.routing", "oea.config", "oea.stats", "oea.models.testing")
+ADAPTER_MAY_IMPORT = ("oea.routing", "oea.kernels", "oea.config", "oea.stats", "oea.models.testing")
+# Third-party modules the kernels may import, and only inside functions (torch may be imported anywhere).
+KERNEL_LAZY_IMPORTS = frozenset({"numba", "numpy", "triton"})
 
 # Files over MAX_LINES, each until the named work splits it.
 SIZE_ALLOWANCES: dict[str, str] = {
@@ -219,6 +221,24 @@ def test_routing_core_imports_no_other_project_module_no_engine_and_no_file_io()
                 problems.append(f"{_where(imp)} (the core needs only torch)")
         problems += [f"{MODULES[name].relative_to(SRC)}:{line} calls open() (no file I/O in the core)"
                      for line in OPEN_CALLS[name]]
+    assert not problems, "\n".join(problems)
+
+
+def test_kernels_import_only_the_core_and_load_numba_or_triton_lazily():
+    problems = []
+    for name, imports in IMPORTS.items():
+        if not _within(name, "oea.kernels"):
+            continue
+        for imp in imports:
+            top = imp.name.split(".")[0]
+            if imp.module is not None and not any(_within(imp.module, ok) for ok in ("oea.routing", "oea.kernels")):
+                problems.append(f"{_where(imp)} (kernels import only oea.routing)")
+            elif top in ENGINES:
+                problems.append(f"{_where(imp)} (no engine in the kernels)")
+            elif top in KERNEL_LAZY_IMPORTS and not imp.lazy:
+                problems.append(f"{_where(imp)} ({top} is imported inside functions only)")
+            elif top not in sys.stdlib_module_names and top not in KERNEL_LAZY_IMPORTS | {"torch", "oea"}:
+                problems.append(f"{_where(imp)} (kernels need only torch, numba, numpy, triton)")
     assert not problems, "\n".join(problems)
 
 

@@ -9,52 +9,8 @@ import pytest
 import torch
 
 import oea.integrations.vllm as plugin
-from oea.routing import OEAConfig, RouterSpec, active_experts, route
 
 torch.set_num_threads(1)
-
-
-def _dense(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[M, N] weight per expert (filler slots add 0)."""
-    return torch.zeros(ids.shape[0], num_experts).scatter_add(1, ids.long(), weights.float())
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("k0", [1, 3, 8])
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_fast_path_matches_core_route(renormalize: bool, k0: int, rows: int) -> None:
-    gen = torch.Generator().manual_seed(rows * 10 + k0)
-    logits = torch.randn(rows, 64, generator=gen) * 2
-    spec = RouterSpec(64, 8, "softmax", renormalize)
-    ref_ids, ref_w = route(logits, spec, OEAConfig(k0=k0, min_batch=0))
-    weights, ids = plugin.fast_softmax_oea(logits, 8, k0, renormalize)
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (rows, 8)
-    torch.testing.assert_close(_dense(ids, weights, 64), _dense(ref_ids, ref_w, 64), atol=1e-6, rtol=1e-5)
-    assert int(active_experts(ids.long(), weights)) == int(active_experts(ref_ids, ref_w))
-    # Filler slots (weight 0) repeat one of the row's own used experts, never an extra one.
-    used = _dense(ids, weights, 64) > 0
-    assert bool(used.gather(1, ids.long()).all())
-
-
-def test_fast_path_with_padding_rows() -> None:
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(6, 64, generator=gen) * 3
-    valid = torch.tensor([True, True, False, True, False, True])
-    spec = RouterSpec(64, 8, "softmax", True)
-    ref_ids, ref_w = route(logits, spec, OEAConfig(k0=2, min_batch=0), valid)
-    weights, ids = plugin.fast_softmax_oea(logits, 8, 2, True, valid)
-    torch.testing.assert_close(_dense(ids, weights, 64), _dense(ref_ids, ref_w, 64), atol=1e-6, rtol=1e-5)
-    # Padding rows keep their stock top-8.
-    stock = logits.topk(8).indices.sort(dim=1).values
-    assert torch.equal(ids[~valid].long().sort(dim=1).values, stock[~valid])
-
-
-def test_fast_path_bf16_logits() -> None:
-    logits = (torch.randn(8, 64, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
-    weights, ids = plugin.fast_softmax_oea(logits, 8, 3, True)
-    ref_ids, ref_w = route(logits, RouterSpec(64, 8, "softmax", True), OEAConfig(k0=3, min_batch=0))
-    torch.testing.assert_close(_dense(ids, weights, 64), _dense(ref_ids, ref_w, 64), atol=1e-2, rtol=1e-2)
-    assert torch.allclose(weights.sum(dim=1), torch.ones(8), atol=1e-5)
 
 
 def _sched(scheduled: dict[str, int], spec: dict[str, list[int]] | None = None) -> SimpleNamespace:

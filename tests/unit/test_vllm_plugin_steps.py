@@ -9,7 +9,6 @@ from vllm_stand_ins import (
     CPURouter,
     dense,
     fresh_state,
-    install_python_numba,
     install_vllm,
     scheduler_output,
 )
@@ -144,30 +143,3 @@ def test_graph_wrapper_keeps_appended_shared_expert_columns(monkeypatch: pytest.
     assert weights.shape == ids.shape == (6, K + 1), "the shared-expert column must survive the rewrite"
     assert torch.equal(ids[:, K:], shared_ids) and torch.equal(weights[:, K:], shared_w)
     torch.testing.assert_close(dense(weights[:, :K], ids[:, :K], N), _oea(logits, 2))
-
-
-CASES = [  # (rows, padding rows, k0, renormalize, dtype)
-    (6, [1, 4], 2, True, torch.float32),
-    (9, [0, 3, 7, 8], 1, True, torch.float32),
-    (8, [2, 3, 4, 5, 6], 3, False, torch.float32),
-    (7, [0, 5, 6], 2, True, torch.bfloat16),
-    (5, [], 8, False, torch.float32),
-]
-
-
-@pytest.mark.parametrize(("rows", "padding", "k0", "renormalize", "dtype"), CASES)
-def test_numba_kernel_logic_with_several_padding_rows(monkeypatch: pytest.MonkeyPatch, rows: int,
-                                                      padding: list[int], k0: int, renormalize: bool,
-                                                      dtype: torch.dtype) -> None:
-    """The kernel's Python body (numba stand-in: njit = identity) against the routing core; the compiled
-    kernel is checked the same way in .venv-vllm (tests/engines/test_vllm_plugin_hooks.py)."""
-    install_python_numba(monkeypatch)
-    logits = (_logits(rows, seed=rows * 10 + k0) - 4).to(dtype)
-    valid = torch.ones(rows, dtype=torch.bool)
-    valid[padding] = False
-    weights, ids = plugin.numba_softmax_oea(logits, K, k0, renormalize, valid)
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (rows, K)
-    ref_ids, ref_w = route(logits, CPURouter(renormalize=renormalize).spec(), OEAConfig(k0, min_batch=0), valid)
-    torch.testing.assert_close(dense(weights, ids, N), dense(ref_w, ref_ids, N), atol=1e-6, rtol=1e-5)
-    used = dense(weights, ids, N) > 0
-    assert bool(used.gather(1, ids.long()).all()), "filler slots must repeat one of the row's own experts"

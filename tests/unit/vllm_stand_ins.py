@@ -1,5 +1,5 @@
-"""Stand-ins for the few vLLM (and numba) names the vLLM plugin imports, so its per-step logic runs in
-the main venv: the forward context (padding rows), ``BaseRouter`` (model load) and ``numba.njit``."""
+"""Stand-ins for the few vLLM names the vLLM plugin imports, so its per-step logic runs in the main venv:
+the forward context (padding rows) and ``BaseRouter`` (model load)."""
 
 from __future__ import annotations
 
@@ -58,14 +58,6 @@ def install_vllm(monkeypatch: pytest.MonkeyPatch) -> ForwardContext:
     monkeypatch.setitem(sys.modules, "vllm.forward_context", forward_context)
     monkeypatch.setitem(sys.modules, BASE_ROUTER_MODULE, base_router)
     return context
-
-
-def install_python_numba(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``numba`` whose ``njit`` returns the function itself: the kernels run as plain Python."""
-    numba = types.ModuleType("numba")
-    numba.njit = lambda *args, **kwargs: (lambda fn: fn)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "numba", numba)
-    monkeypatch.setattr(plugin, "_NUMBA", {})
 
 
 def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: Any | None = None) -> plugin._State:
