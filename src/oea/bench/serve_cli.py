@@ -90,5 +90,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     v.add_argument("--timing", action="store_true", help="OEA_TIMING=1: time the routing op in the worker")
     v.add_argument("--python", help="interpreter with vLLM installed (default: this one)")
     v.add_argument("--health-timeout", type=float, default=900.0)
+    v.add_argument("--json", action="store_true",
+                   help="announce readiness as one JSON line on stdout (url, pid, OEA settings) for scripts")
     v.add_argument("vllm_args", nargs=argparse.REMAINDER, help="'--' then vLLM server arguments")
     v.set_defaults(handler=_serve_vllm)

@@ -29,8 +29,9 @@ def main(args: argparse.Namespace) -> int:
         from oea.config import settings_from_env
 
         settings_from_env(env)
+    applied = memory_defaults(env, vllm_args)
     defaults = "".join(f"; {var}={value} (CPU KV cache GiB; set it, --kv-cache-memory-bytes or "
-                       "--gpu-memory-utilization to choose)" for var, value in memory_defaults(env, vllm_args).items())
+                       "--gpu-memory-utilization to choose)" for var, value in applied.items())
     server = start_server(vllm_args, env, python=args.python)
     stopping = {"signal": None}
 
@@ -42,6 +43,12 @@ def main(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         wait_healthy(server, timeout=args.health_timeout)
+        if getattr(args, "json", False):
+            import json
+
+            print(json.dumps({"ready": server.base_url, "pid": server.process.pid,
+                              "oea_env": {k: v for k, v in env.items() if k.startswith("OEA_")},
+                              "defaults": applied}), flush=True)
         print(f"oea serve vllm: ready at {server.base_url} (OEA_K0={env.get('OEA_K0', 'unset')}, "
               f"pid {server.process.pid}{defaults})", file=sys.stderr, flush=True)
         while server.process.poll() is None and stopping["signal"] is None:
