@@ -9,7 +9,7 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING
 
-from oea.console import add_batch_sizes_argument, int_at_least
+from oea.console import add_batch_sizes_argument, check_unique, int_at_least
 
 if TYPE_CHECKING:
     from oea.bench.layer_inputs import LayerBenchConfig
@@ -35,6 +35,8 @@ def _layer(args: argparse.Namespace) -> int:
     from oea.bench.layer_fit import write_fit
     from oea.bench.layer_output import plot_result, render_table
 
+    check_unique(args.policies, "--policies")
+    check_unique(args.k0, "--k0")
     config = config_from_args(args)
     check_config(config)  # bad flags fail here, in one line, before the re-run below
     quiet = args.json
