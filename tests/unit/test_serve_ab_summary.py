@@ -90,3 +90,35 @@ def test_vllm_cpu_memory_default_only_when_nothing_sizes_memory(monkeypatch: pyt
     assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "3" and callable(seen["preexec_fn"])
     with pytest.raises(ValueError, match=r"--server-nice must be in -20\.\.19, got 40"):
         start_server(["--model", "m"], {}, python="py", nice=40)
+
+
+def test_restart_rounds_can_extend_an_earlier_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import oea.bench.serve_ab as serve_ab
+    import oea.launch.vllm as launch
+    from oea.bench.serve import BenchConfig
+
+    started, seeds = [], []
+
+    class FakeServer:
+        base_url = "http://127.0.0.1:1"
+
+    def fake_start(args, env, python=None, log_path=None, nice=None):
+        started.append((env.get("OEA_K0"), Path(env["OEA_METRICS_FILE"]).name, nice))
+        return FakeServer()
+
+    def fake_run(arms, cfg, progress, enrich):
+        seeds.append(cfg.seed)
+        return [{"arm": arms[0].name, "max_concurrency": 1}]
+
+    monkeypatch.setattr(launch, "start_server", fake_start)
+    monkeypatch.setattr(launch, "wait_healthy", lambda server, timeout: None)
+    monkeypatch.setattr(launch, "stop_server", lambda server: None)
+    monkeypatch.setattr(serve_ab, "run_benchmark", fake_run)
+    cfg = BenchConfig(rounds=2, seed=7)
+    rows = serve_ab.run_restarted({"off": {}, "k3": {"OEA_K0": "3"}}, ["--", "--model", "m"], cfg, tmp_path,
+                                  tmp_path / "ab.jsonl", None, 1.0, progress=False, server_nice=-5, first_round=3)
+    assert [(r["arm"], r["round"]) for r in rows] == [("k3", 3), ("off", 3), ("off", 4), ("k3", 4)]
+    assert started[0] == ("3", "engine-k3-round3.jsonl", -5) and seeds == [307, 307, 407, 407]
+    assert len((tmp_path / "ab.jsonl").read_text().splitlines()) == 4
+    with pytest.raises(ValueError, match="--first-round must be >= 0"):
+        serve_ab.run_restarted({"off": {}}, ["--model", "m"], cfg, tmp_path, None, None, 1.0, False, first_round=-1)

@@ -243,12 +243,10 @@ def measure_batch(model: Any, variants: Sequence[Variant], prompts: Sequence[tor
         for variant in variants:
             decoder = Decoder(model, batch_size, cfg.prompt_tokens, cfg.new_tokens, device, mode=graph)
             with oea.attach(model, variant.cfg) as handle:
-                if graph == "compile":
-                    _static_counters(handle)
+                _static_counters(handle)  # before a compile, also one a failed capture falls back to
                 decoder.run(prompts[0], timer)  # captures / compiles
                 if decoder.fallback_error:
                     fallbacks.append(f"B={batch_size} {variant.label}: {decoder.fallback_error}")
-                    _static_counters(handle)
                 for r, batch in enumerate(prompts):
                     if progress is not None:
                         progress(f"B={batch_size} {variant.label} round {r + 1}/{len(prompts)}")

@@ -158,10 +158,14 @@ def parse_engine_metrics(specs: list[str]) -> dict[str, Path]:
 
 def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], cfg: BenchConfig,
                   out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
-                  progress: bool, server_nice: int | None = None) -> list[dict[str, Any]]:
+                  progress: bool, server_nice: int | None = None, first_round: int = 0) -> list[dict[str, Any]]:
     """Restart mode: one server per (round, arm), arm order rotated between rounds (``restart_order``).
 
-    SIGTERM stops the current server before this process exits (as Ctrl-C does)."""
+    Rounds are numbered from ``first_round`` (prompts, arm order and file names follow the number), so a
+    later run can extend an A/B with new rounds into the same output file. SIGTERM stops the current
+    server before this process exits (as Ctrl-C does)."""
+    if first_round < 0:
+        raise ValueError(f"--first-round must be >= 0, got {first_round}")
     from oea.launch.vllm_cli import strip_separator
 
     vllm_args = strip_separator(vllm_args)
@@ -177,7 +181,7 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         _restart_rounds(serve_arms, names, vllm_args, cfg, out_dir, output_file, python, health_timeout, progress,
-                        server_nice, rows)
+                        server_nice, first_round, rows)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return rows
@@ -185,10 +189,10 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
 
 def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], vllm_args: list[str], cfg: BenchConfig,
                     out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
-                    progress: bool, server_nice: int | None, rows: list[dict[str, Any]]) -> None:
+                    progress: bool, server_nice: int | None, first_round: int, rows: list[dict[str, Any]]) -> None:
     from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
 
-    for r in range(cfg.rounds):
+    for r in range(first_round, first_round + cfg.rounds):
         for name in restart_order(names, r):
             metrics_file = out_dir / f"engine-{name}-round{r}.jsonl"
             metrics_file.unlink(missing_ok=True)
@@ -229,7 +233,10 @@ def main(args: argparse.Namespace) -> int:
         serve_arms = parse_serve_arms(args.serve_arm)
         out_dir = Path(args.engine_metrics_dir or (output_file.parent if output_file else Path("oea-bench-serve")))
         rows = run_restarted(serve_arms, list(args.vllm_args), cfg, out_dir, output_file, args.python,
-                             args.health_timeout, progress=not args.no_progress, server_nice=args.server_nice)
+                             args.health_timeout, progress=not args.no_progress, server_nice=args.server_nice,
+                             first_round=args.first_round)
+        if args.first_round and output_file is not None:  # an extension: summarise every round in the file
+            rows = load_rows(output_file)
     else:
         if args.vllm_args and args.vllm_args != ["--"]:
             raise ValueError("vLLM arguments after '--' are only used with --serve-arm (restart mode)")

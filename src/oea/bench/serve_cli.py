@@ -65,6 +65,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                         "active experts per decode step) for each round's time window")
     p.add_argument("--baseline-arm", metavar="NAME",
                    help="A/B summary: ratios against this arm (default: the first arm)")
+    p.add_argument("--first-round", type=int, default=0, metavar="R",
+                   help="restart mode: number the rounds from R (extend an earlier A/B in the same --output-file)")
     p.add_argument("--server-nice", type=int, metavar="N",
                    help="restart mode: scheduling priority of each server (-20..19; e.g. -5 so that other jobs on "
                         "a shared machine do not time the server; below 0 needs root)")
