@@ -22,6 +22,8 @@ torch.set_num_threads(1)
 for var in ("OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
     os.environ.pop(var, None)
 import oea.integrations.vllm as plugin
+import oea.integrations.vllm.routing as plugin_routing
+from oea.integrations.vllm.state import STATE
 from oea.config import settings_from_env
 from oea.kernels import numba_softmax_oea
 from oea.routing import OEAConfig, route
@@ -33,25 +35,25 @@ def dense(w, ids):
     return torch.zeros(ids.shape[0], 64).scatter_add(1, ids.long(), w.float())
 
 # Set the plugin up as register() + Worker.load_model would, with OEA_K0=2.
-plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
-plugin._STATE.mode = "oea"
-plugin._STATE.originals["CPURouter"] = CPURouter.__dict__["_compute_routing"]
-plugin._define_cpu_op()
+STATE.settings = settings_from_env({"OEA_K0": "2"})
+STATE.mode = "oea"
+STATE.originals["CPURouter"] = CPURouter.__dict__["_compute_routing"]
+plugin_routing.define_cpu_op()
 router = CPURouter(top_k=8, global_num_experts=64, renormalize=True)
 router._oea_router_id = 0
-plugin._STATE.routers.append(router)
-plugin._STATE.specs.append(plugin.router_spec(router)[0])
-plugin._STATE.decode_flag = torch.zeros((), dtype=torch.bool)
+STATE.routers.append(router)
+STATE.specs.append(plugin.router_spec(router)[0])
+STATE.decode_flag = torch.zeros((), dtype=torch.bool)
 logits = (torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
 stock = _softmax_topk(logits, 8, True)
-ref_ids, ref_w = route(logits, plugin._STATE.specs[0], OEAConfig(k0=2))
+ref_ids, ref_w = route(logits, STATE.specs[0], OEAConfig(k0=2))
 
 # CPU path: the wrapper calls oea::cpu_route, whose body reads the decode state on every call.
-wrapped = plugin._cpu_wrapper(plugin._STATE.originals["CPURouter"])
+wrapped = plugin_routing.cpu_wrapper(STATE.originals["CPURouter"])
 compiled = torch.compile(lambda x: wrapped(router, None, x, None), fullgraph=True, dynamic=False)
 res = {}
 for decode in (False, True, False):
-    plugin._STATE.decode = decode
+    STATE.decode = decode
     w, ids = compiled(logits)
     res.setdefault(str(decode), []).append(
         {"equals_stock": torch.allclose(dense(w, ids), dense(*stock), atol=1e-2),  # Inductor's bf16 softmax
@@ -62,17 +64,17 @@ out["cpu_op"] = res
 # Graph path (non-CPU routers): compiled once, the device flag selects stock or OEA at run time.
 def stock_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
     return _softmax_topk(router_logits, 8, True)
-gw = plugin._graph_wrapper(stock_routing)
+gw = plugin_routing.graph_wrapper(stock_routing)
 g = torch.compile(lambda x: gw(router, None, x, None), fullgraph=True, dynamic=False)
 res = {}
 for flag in (False, True, False):
-    plugin._STATE.decode_flag.fill_(flag)
-    plugin._STATE.decode = False  # the Python flag must not matter inside the compiled graph
+    STATE.decode_flag.fill_(flag)
+    STATE.decode = False  # the Python flag must not matter inside the compiled graph
     w, ids = g(logits)
     res.setdefault(str(flag), []).append(
         {"equals_stock": torch.allclose(dense(w, ids), dense(*stock), atol=1e-2),  # Inductor's bf16 softmax
          "equals_oea": torch.allclose(dense(w, ids), dense(ref_w, ref_ids), atol=1e-2)})
-plugin._STATE.decode = True
+STATE.decode = True
 w, ids = gw(router, None, logits, None)  # eager: the Python flag decides
 res["eager_decode"] = torch.allclose(dense(w, ids), dense(ref_w, ref_ids), atol=1e-2)
 out["graph"] = res

@@ -7,8 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm_stand_ins import swap_state
 
 import oea.integrations.vllm as plugin
+import oea.integrations.vllm.doctor as plugin_doctor
+import oea.integrations.vllm.metrics as plugin_metrics
+import oea.integrations.vllm.plugin as plugin_hooks
+from oea.integrations.vllm.state import STATE, State, log
 
 torch.set_num_threads(1)
 
@@ -56,9 +61,9 @@ def test_router_spec_mirrors_vllm_routers() -> None:
 def test_register_is_inert_without_oea_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+    swap_state(monkeypatch, State())
     plugin.register()  # vLLM is not importable here: any patching attempt would raise
-    assert not plugin._STATE.installed and plugin._STATE.mode == "off"
+    assert not STATE.installed and STATE.mode == "off"
 
 
 @pytest.mark.parametrize(("var", "value"), [("OEA_K0", "three"), ("OEA_K0", "0"), ("OEA_MIN_BATCH", "-1"),
@@ -66,9 +71,9 @@ def test_register_is_inert_without_oea_env(monkeypatch: pytest.MonkeyPatch) -> N
 def test_bad_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv("OEA_K0", "2")
     monkeypatch.setenv(var, value)
-    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+    swap_state(monkeypatch, State())
     with pytest.raises(ValueError, match=var):
-        plugin.register() if var != "OEA_METRICS_FLUSH_S" else plugin._flush_interval()
+        plugin.register() if var != "OEA_METRICS_FLUSH_S" else plugin_hooks._flush_interval()
 
 
 class _MoELayer(torch.nn.Module):
@@ -90,20 +95,20 @@ def test_k0_above_top_k_is_rejected_naming_the_variable(monkeypatch: pytest.Monk
 
     fresh_state(monkeypatch, {variable: "6"})
     with pytest.raises(ValueError, match=rf"^{variable} must be in 1\.\.4 \(the model's top_k\), got 6$"):
-        plugin._after_load(model())
+        plugin_hooks._after_load(model())
     state = fresh_state(monkeypatch, {variable: "4"})
-    plugin._after_load(model())  # fits every router: numbered, specs kept, decode flag allocated
+    plugin_hooks._after_load(model())  # fits every router: numbered, specs kept, decode flag allocated
     assert [r._oea_router_id for r in state.routers] == [0, 1] and all(s is not None for s in state.specs)
     assert state.decode_flag is not None and not bool(state.decode_flag)
 
 
 def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:
     path = tmp_path / "m.jsonl"
-    writer = plugin._MetricsWriter(str(path), interval=0.05)
-    record = plugin._StepRecord(decode=True, oea=True, rows=4, active={0: torch.tensor(5), 1: 6},
+    writer = plugin_metrics.MetricsWriter(str(path), interval=0.05)
+    record = plugin_metrics.StepRecord(decode=True, oea=True, rows=4, active={0: torch.tensor(5), 1: 6},
                                 active_stock={0: 12, 1: torch.tensor(13)}, routing_us={0: 40.0, 1: 41.5})
     writer.add(7, record)
-    writer.add(8, plugin._StepRecord(decode=False, oea=False, rows=9, active={0: 20, 1: 21}))
+    writer.add(8, plugin_metrics.StepRecord(decode=False, oea=False, rows=9, active={0: 20, 1: 21}))
     import time
 
     deadline = time.monotonic() + 5
@@ -117,7 +122,7 @@ def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:
 
 
 def test_doctor_without_vllm_reports_instead_of_raising(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plugin, "engine_version", lambda: None)
+    monkeypatch.setattr(plugin_doctor, "engine_version", lambda: None)
     monkeypatch.setenv("OEA_K0", "x")
     checks = plugin.doctor_checks()
     assert all(set(c) == {"name", "ok", "detail"} for c in checks)
@@ -132,7 +137,7 @@ def test_layer_k0_file_is_not_silently_ignored(monkeypatch: pytest.MonkeyPatch, 
     for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "k0.json"))
-    monkeypatch.setattr(plugin, "_STATE", plugin._State())
-    with caplog.at_level("WARNING", logger=plugin.log.name):
+    swap_state(monkeypatch, State())
+    with caplog.at_level("WARNING", logger=log.name):
         plugin.register()
     assert any("OEA_LAYER_K0_FILE is not supported by the vLLM plugin" in r.getMessage() for r in caplog.records)

@@ -13,7 +13,9 @@ from vllm_stand_ins import (
     scheduler_output,
 )
 
-import oea.integrations.vllm as plugin
+import oea.integrations.vllm.metrics as plugin_metrics
+import oea.integrations.vllm.routing as plugin_routing
+import oea.integrations.vllm.steps as plugin_steps
 from oea.routing import OEAConfig, route
 
 torch.set_num_threads(1)
@@ -35,11 +37,11 @@ def _step(router: CPURouter, tokens_per_request: list[int], logits: torch.Tensor
           ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """One engine step through the plugin's worker hook and CPU op: (plugin output, stock routing)."""
     stock = router.route_stock(logits)
-    plugin._begin_step(scheduler_output(tokens_per_request))
+    plugin_steps.begin_step(scheduler_output(tokens_per_request))
     try:
-        out = plugin._cpu_route_body(logits, stock[0], stock[1], 0)
+        out = plugin_routing.cpu_route_body(logits, stock[0], stock[1], 0)
     finally:
-        plugin._end_step()
+        plugin_steps.end_step()
     return out, stock
 
 
@@ -110,7 +112,7 @@ def test_metrics_record_what_each_step_routed(monkeypatch: pytest.MonkeyPatch) -
     install_vllm(monkeypatch)
     router = CPURouter()
     state = fresh_state(monkeypatch, {"OEA_K0": "1"}, router)
-    added: list[plugin._StepRecord] = []
+    added: list[plugin_metrics.StepRecord] = []
     state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record)})()
     for n, tokens in enumerate([[4], [1, 1, 1], [1], [5]]):
         _step(router, tokens, _logits(sum(tokens), seed=20 + n))
@@ -134,7 +136,7 @@ def test_graph_wrapper_keeps_appended_shared_expert_columns(monkeypatch: pytest.
         weights, ids = self.route_stock(router_logits)
         return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_ids], dim=1)
 
-    wrapped = plugin._graph_wrapper(stock_with_shared)
+    wrapped = plugin_routing.graph_wrapper(stock_with_shared)
     state.decode = False  # eager prefill: stock output, untouched
     weights, ids = wrapped(router, None, logits, None)
     assert ids.shape == (6, K + 1) and torch.equal(ids[:, :K], router.route_stock(logits)[1])

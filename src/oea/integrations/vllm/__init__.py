@@ -1,0 +1,52 @@
+"""vLLM general plugin: OEA routing inside vLLM's MoE routers (entry point ``oea.integrations.vllm:register``).
+
+Loaded by vLLM in every process (API server, EngineCore, Worker) through the ``vllm.general_plugins``
+entry point. What it does depends on the environment (parsed by ``oea.config.settings_from_env``):
+
+* nothing set: inert, no patch is applied;
+* ``OEA_K0`` set: OEA rewrites routing in decode steps (mode ``oea``);
+* ``OEA_K0`` unset but ``OEA_METRICS_FILE`` or ``OEA_TIMING=1`` set: routing is stock vLLM's, only
+  observed (mode ``observe``): the baseline arm of an A/B.
+
+Extra variables read here: ``OEA_TIMING=1`` (time each routing call in the worker) and
+``OEA_METRICS_FLUSH_S`` (seconds between metrics flushes, default 0.5). See docs/vllm.md.
+
+One job per file:
+
+* ``plugin.py``: ``register`` and the hooks it installs in vLLM's classes; model load (router numbering,
+  ``OEA_K0`` against each top_k, the decode flag);
+* ``steps.py``: decode or not, decided once per engine step from the ``SchedulerOutput``;
+* ``routing.py``: the hot path, run in every routing call (the CPU custom op ``oea::cpu_route`` and the
+  graph-safe wrapper of the other routers);
+* ``metrics.py``: the ``OEA_METRICS_FILE`` lines, written by a background thread;
+* ``state.py``: the per-process state the others share;
+* ``doctor.py``: ``oea doctor vllm``.
+
+vLLM is imported inside functions only; importing this package needs torch alone.
+"""
+
+from oea.integrations.vllm.doctor import (
+    ENTRY_POINT_GROUP,
+    ENTRY_POINT_VALUE,
+    SUPPORTED_VERSIONS,
+    doctor_checks,
+    engine_version,
+)
+from oea.integrations.vllm.plugin import ROUTER_CLASSES, install_hooks, register, router_spec
+from oea.integrations.vllm.routing import OP_NAME, oea_route_for
+from oea.integrations.vllm.steps import is_decode_step
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENTRY_POINT_VALUE",
+    "OP_NAME",
+    "ROUTER_CLASSES",
+    "SUPPORTED_VERSIONS",
+    "doctor_checks",
+    "engine_version",
+    "install_hooks",
+    "is_decode_step",
+    "oea_route_for",
+    "register",
+    "router_spec",
+]

@@ -1,0 +1,256 @@
+"""The entry point ``register`` and the hooks it installs in vLLM's classes; model load.
+
+``register`` (every vLLM process) reads the environment and, unless OEA and its metrics are off, wraps:
+
+* each router class's own ``_compute_routing`` (``ROUTER_CLASSES``) with ``routing.cpu_wrapper`` (CPU) or
+  ``routing.graph_wrapper`` (other devices), so OEA runs before routed-experts capture and the EPLB
+  logical->physical mapping;
+* ``WorkerWrapperBase.execute_model``: ``steps.begin_step`` / ``steps.end_step`` around each engine step;
+* ``Worker.load_model``: ``_after_load`` numbers the model's routers, validates ``OEA_K0`` against each
+  top_k, warns once about layers it cannot rewrite, allocates the decode flag on the model's device and
+  compiles the numba kernels;
+* ``FusedMoERouter.supports_monolithic_kernels`` (vLLM >= 0.33) reports False, so no monolithic kernel
+  routes inside itself and bypasses OEA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import Any
+
+import torch
+
+from oea.config import check_k0_against, settings_from_env
+from oea.integrations.vllm.metrics import MetricsWriter
+from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, fast_path_ok, graph_wrapper
+from oea.integrations.vllm.state import STATE, log, warn_once
+from oea.integrations.vllm.steps import begin_step, end_step
+from oea.kernels import numba_available, numba_softmax_oea
+from oea.routing import RouterSpec
+
+ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router"
+# class name -> module (under ROUTER_MODULE) of the routers whose _compute_routing is wrapped.
+ROUTER_CLASSES: dict[str, str] = {
+    "CPURouter": "cpu_router",
+    "FusedTopKRouter": "fused_topk_router",
+    "FusedTopKBiasRouter": "fused_topk_bias_router",
+    "GroupedTopKRouter": "grouped_topk_router",
+}
+
+
+def register() -> None:
+    """vLLM plugin entry point: install the hooks when the environment asks for OEA or its metrics.
+
+    Raises ``ValueError`` naming the variable when an ``OEA_*`` value is malformed, which stops vLLM
+    at start-up (better than serving with a silently wrong configuration).
+    """
+    settings = settings_from_env()
+    timing = timing_from_env()
+    mode = "oea" if settings.oea is not None else ("observe" if settings.metrics_file or timing else "off")
+    if settings.layer_k0_file:
+        warn_once("layer-k0", "OEA_LAYER_K0_FILE is not supported by the vLLM plugin yet (oea.attach and the "
+                               "SGLang plugin read it); every layer uses OEA_K0")
+    if mode == "off" or STATE.installed:
+        return
+    STATE.settings, STATE.mode, STATE.timing = settings, mode, timing
+    wrapped = install_hooks()
+    STATE.installed = True
+    cfg = settings.oea
+    what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
+    log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),
+             ", ".join(wrapped))
+
+
+def timing_from_env() -> bool:
+    raw = os.environ.get("OEA_TIMING", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"OEA_TIMING must be one of 0/1/true/false/yes/no/on/off, got {os.environ['OEA_TIMING']!r}")
+
+
+def _flush_interval() -> float:
+    raw = os.environ.get("OEA_METRICS_FLUSH_S", "").strip()
+    if not raw:
+        return 0.5
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"OEA_METRICS_FLUSH_S must be a number of seconds > 0, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"OEA_METRICS_FLUSH_S must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def _process_title() -> str:
+    try:
+        import setproctitle
+
+        return str(setproctitle.getproctitle())
+    except ImportError:
+        return "?"
+
+
+def install_hooks() -> list[str]:
+    """Apply every patch (idempotent per class); returns the names of what was wrapped."""
+    wrapped = []
+    define_cpu_op()
+    for name, module in ROUTER_CLASSES.items():
+        try:
+            cls = getattr(importlib.import_module(f"{ROUTER_MODULE}.{module}"), name)
+        except (ImportError, AttributeError) as err:
+            warn_once(f"class:{name}", f"oea: router class {name} not found ({err}); it is left stock")
+            continue
+        if name in STATE.originals or "_compute_routing" not in cls.__dict__:
+            continue
+        STATE.originals[name] = cls.__dict__["_compute_routing"]
+        cls._compute_routing = cpu_wrapper(STATE.originals[name]) if name == "CPURouter" else \
+            graph_wrapper(STATE.originals[name])
+        wrapped.append(f"{name}._compute_routing")
+    if STATE.mode == "oea":
+        wrapped += _disable_monolithic()
+    wrapped += _wrap_worker()
+    return wrapped
+
+
+def _disable_monolithic() -> list[str]:
+    """vLLM >= 0.33: make every router report no monolithic-kernel support (modular kernels call the
+    router; monolithic ones route inside the kernel and would bypass OEA). Absent in 0.32, where
+    ``Worker.load_model`` checks each layer instead."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+
+    if "supports_monolithic_kernels" not in dir(FusedMoERouter):
+        return []
+    FusedMoERouter.supports_monolithic_kernels = property(lambda self: False)  # type: ignore[assignment]
+    return ["FusedMoERouter.supports_monolithic_kernels=False"]
+
+
+def _wrap_worker() -> list[str]:
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    done = []
+    if not getattr(WorkerWrapperBase.execute_model, "_oea_wrapped", False):
+        original_execute = WorkerWrapperBase.execute_model
+
+        def execute_model(self: Any, scheduler_output: Any) -> Any:
+            begin_step(scheduler_output)
+            try:
+                return original_execute(self, scheduler_output)
+            finally:
+                end_step()
+
+        execute_model._oea_wrapped = True  # type: ignore[attr-defined]
+        WorkerWrapperBase.execute_model = execute_model
+        done.append("WorkerWrapperBase.execute_model")
+    if not getattr(Worker.load_model, "_oea_wrapped", False):
+        original_load = Worker.load_model
+
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original_load(self, *args, **kwargs)
+            _after_load(self.model_runner.get_model())
+            return out
+
+        load_model._oea_wrapped = True  # type: ignore[attr-defined]
+        Worker.load_model = load_model
+        done.append("Worker.load_model")
+    return done
+
+
+# ---------------------------------------------------------------- model load: routers and flag
+
+
+def router_spec(router: Any) -> tuple[RouterSpec | None, str]:
+    """The ``RouterSpec`` matching a vLLM router's own routing, or (None, reason) when OEA cannot
+    reproduce it (the layer then keeps stock routing)."""
+    name = type(router).__name__
+    scoring = getattr(router, "scoring_func", "softmax")
+    if getattr(router, "custom_routing_function", None) is not None:
+        return None, "custom_routing_function"
+    if getattr(router, "_hash_indices_table", None) is not None:
+        return None, "hash-routed layer"
+    if scoring not in ("softmax", "sigmoid"):
+        return None, f"scoring_func={scoring!r}"
+    bias = getattr(router, "e_score_correction_bias", None)
+    grouped = bool(getattr(router, "use_grouped_topk", name == "GroupedTopKRouter"))
+    n_group = getattr(router, "num_expert_group", None) if grouped else None
+    topk_group = getattr(router, "topk_group", None) if grouped else None
+    if n_group is not None and n_group > 1 and bias is None:
+        return None, "grouped routing without a correction bias (group score differs)"
+    if n_group is not None and n_group <= 1:
+        n_group = topk_group = None
+    if scoring == "sigmoid" and bias is None and name != "FusedTopKRouter":
+        return None, "sigmoid routing without a correction bias"
+    # CPURouter's plain softmax path ignores routed_scaling_factor; its grouped path folds it in.
+    folds_scale = grouped or name in ("FusedTopKBiasRouter",)
+    try:
+        spec = RouterSpec(
+            num_experts=int(router.global_num_experts),
+            top_k=int(router.top_k),
+            scoring=scoring,
+            renormalize=bool(getattr(router, "renormalize", True)),
+            correction_bias=None if bias is None else getattr(bias, "data", bias),
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float(getattr(router, "routed_scaling_factor", 1.0)) if folds_scale else 1.0,
+        )
+    except ValueError as err:
+        return None, str(err)
+    return spec, ""
+
+
+def _after_load(model: torch.nn.Module) -> None:
+    """Number the model's routers, validate OEA_K0 against each top_k, allocate the decode flag."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    device = None
+    found = 0
+    for name, module in model.named_modules():
+        if device is None:
+            param = next(module.parameters(recurse=False), None)
+            device = None if param is None else param.device
+        router = getattr(module, "router", None)
+        if not isinstance(router, BaseRouter) or hasattr(router, "_oea_router_id"):
+            continue
+        found += 1
+        spec, reason = router_spec(router)
+        if spec is not None and getattr(module, "is_monolithic", False):
+            spec, reason = None, "monolithic MoE kernel (routes inside the kernel)"
+        if spec is not None and type(router).__name__ not in STATE.originals:
+            spec, reason = None, f"router class {type(router).__name__} is not wrapped"
+        if STATE.settings is not None and STATE.settings.oea is not None:
+            check_k0_against(STATE.settings.oea, int(router.top_k), _k0_variable())
+        if spec is None:
+            warn_once(f"unsupported:{reason}", f"oea: layer {name} keeps stock routing: {reason}")
+        router._oea_router_id = len(STATE.routers)
+        router._oea_layer = name
+        STATE.routers.append(router)
+        STATE.specs.append(spec)
+    STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
+    _warm_up_kernels(device)
+    if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
+        STATE.metrics = MetricsWriter(STATE.settings.metrics_file, _flush_interval())
+    supported = sum(s is not None for s in STATE.specs)
+    log.info("oea: %d MoE routers in the model, %d rewritable (mode=%s, pid=%d)", found, supported,
+             STATE.mode, os.getpid())
+    if found == 0:
+        warn_once("no-routers", "oea: the model has no vLLM MoE router; nothing to rewrite")
+
+
+def _warm_up_kernels(device: torch.device | None) -> None:
+    """Compile the numba kernels now rather than in the first decode step (a few seconds once)."""
+    fast = [spec for spec in STATE.specs if spec is not None and fast_path_ok(spec)]
+    if not fast or (device is not None and device.type != "cpu") or not numba_available():
+        return
+    started = time.perf_counter()
+    for dtype in (torch.bfloat16, torch.float32):
+        numba_softmax_oea(torch.zeros(2, fast[0].num_experts, dtype=dtype), fast[0].top_k, 1, True)
+    log.info("oea: numba routing kernels ready in %.1f s", time.perf_counter() - started)
+
+
+def _k0_variable() -> str:
+    source = (STATE.settings.source or {}) if STATE.settings is not None else {}
+    return "SGLANG_OEA_K0" if "SGLANG_OEA_K0" in source else "OEA_K0"
