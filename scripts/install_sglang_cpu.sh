@@ -4,8 +4,19 @@
 # Why not `pip install sglang`: it pins a CUDA torch and pulls ~11 GB (sglang-kernel, flashinfer,
 # nvidia-* libraries) that cannot run here. The routing module (sglang.srt.layers.moe.topk) needs
 # only the packages below; sglang itself goes in with --no-deps. torch is pinned to the CPU build
-# through constraints.txt. torchvision is deliberately absent: the PyPI build breaks next to the
-# CPU torch; the tests install an import stub instead (tests/engines/sglang_cpu_stubs.py).
+# through constraints.txt.
+#
+# torchvision: `import sglang.srt.layers.moe.topk` imports torchvision.transforms (moe/utils.py ->
+# srt/configs/__init__ -> nano_nemotron_vl -> multimodal/internvl_utils, for InternVL's image
+# preprocessing); SGLang offers no switch around it. torchvision 0.28.0 is the release made for
+# torch 2.13, but its only Linux x86_64 wheel has C++ ops (_C.so, image.so) linked against the CUDA
+# torch (libtorch_cuda.so), which cannot load next to the CPU torch, and no torchvision source is on
+# PyPI to build them. The Python part (transforms: all SGLang touches here) needs no compiled ops,
+# yet `import torchvision` fails ("operator torchvision::nms does not exist", pytorch/vision#9337):
+# _meta_registrations.py registers two fake kernels without the `_has_ops()` check its other
+# registrations have. guard_torchvision_fake_kernels adds that check (the fix proposed upstream);
+# torchvision then imports, and its compiled ops (nms, roi_align, decode_jpeg, ...) raise
+# torchvision's own "Couldn't load custom C++ ops" if called.
 #
 # Idempotent: a stamp file records a hash of this script, pyproject.toml and constraints.txt;
 # nothing is reinstalled while they are unchanged. Usage: bash scripts/install_sglang_cpu.sh
@@ -21,6 +32,7 @@ REQUIREMENTS=(
     "starlette==1.10.0" "msgspec==0.22.0" "pydantic==2.14.4" "pyzmq==27.3.0" "tqdm==4.70.1"
     "ipython==9.18.1" "aiohttp==3.14.5" "dill==0.4.1" "apache-tvm-ffi==0.1.11"
     "sentencepiece==0.2.3" "einops==0.8.2" "compressed-tensors==0.20.1" "gguf==0.19.0"
+    "torchvision==0.28.0"
 )
 
 fingerprint="$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -c1-16)"
@@ -39,15 +51,45 @@ pip_install() {
 }
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip
 pip_install "${REQUIREMENTS[@]}"
+guard_torchvision_fake_kernels() {
+    "$VENV/bin/python" - <<'PY'
+import importlib.util
+import sys
+from pathlib import Path
+
+path = Path(importlib.util.find_spec("torchvision").origin).with_name("_meta_registrations.py")
+text = original = path.read_text()
+for op in ("nms", "qnms"):
+    line = f'@torch.library.register_fake("torchvision::{op}")\n'
+    guarded = f'@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops() else (lambda fn: fn))\n'
+    if guarded not in text:
+        if text.count(line) != 1:
+            sys.exit(f"install_sglang_cpu: {path} has no single {line.strip()!r}: not the torchvision 0.28.0 "
+                     "this script knows; look at its fake-kernel registrations again")
+        text = text.replace(line, guarded)
+if "@torch.library.register_fake(" in text:
+    sys.exit(f"install_sglang_cpu: {path} still registers an unguarded fake kernel")
+if text != original:
+    path.write_text(text)
+    print(f"install_sglang_cpu: guarded torchvision's nms/qnms fake kernels in {path}")
+PY
+}
+guard_torchvision_fake_kernels
 # pip cannot say --no-deps for one requirement of a list, hence the separate call.
 pip_install --no-deps "sglang==$SGLANG_VERSION"
 pip_install -e "$ROOT"
 
-"$VENV/bin/python" - <<'PY'
+"$VENV/bin/python" -W ignore - <<'PY'
 from importlib.metadata import entry_points, version
+
+import sglang.srt.layers.moe.topk  # noqa: F401  (the import chain the OEA hooks need, torchvision included)
+import torchvision.extension
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: F401
+
 names = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
 assert "oea.integrations.sglang:register" in names, f"oea plugin entry point missing: {names}"
-print(f"install_sglang_cpu: sglang {version('sglang')}, torch {version('torch')}, entry points {names}")
+print(f"install_sglang_cpu: sglang {version('sglang')}, torch {version('torch')}, torchvision "
+      f"{version('torchvision')} (compiled ops loaded: {torchvision.extension._has_ops()}), entry points {names}")
 PY
 rm -f "$VENV"/.installed-*
 touch "$stamp"
