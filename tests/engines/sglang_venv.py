@@ -1,4 +1,4 @@
-"""Run ``sglang_cpu_checks.py`` inside .venv-sglang and parse its JSON (shared by the SGLang engine tests)."""
+"""Run ``sglang_cpu_checks.py`` or the ``oea`` command inside .venv-sglang (shared by the SGLang engine tests)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+SGLANG_OEA = ROOT / ".venv-sglang" / "bin" / "oea"
 CHECKS = ROOT / "tests" / "engines" / "sglang_cpu_checks.py"
 
 
-def run_raw(mode: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``sglang_cpu_checks.py <mode>`` in .venv-sglang with a clean ``OEA_*``/``SGLANG_*`` environment.
-
-    Fails (never skips) when .venv-sglang is missing: ``make test`` creates it first.
-    """
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash scripts/install_sglang_cpu.sh` (make test does)")
+def _run(argv: list[str], extra_env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    """``argv`` with a clean ``OEA_*``/``SGLANG_*`` environment; fails (never skips) when .venv-sglang is
+    missing: ``make test`` creates it first."""
+    if not Path(argv[0]).exists():
+        pytest.fail(f"{argv[0]} is missing: run `bash scripts/install_sglang_cpu.sh` (make test does)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OEA_", "SGLANG_"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     env.update(extra_env or {})
-    return subprocess.run([str(SGLANG_PYTHON), str(CHECKS), mode], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def run_raw(mode: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``sglang_cpu_checks.py <mode>`` in .venv-sglang."""
+    return _run([str(SGLANG_PYTHON), str(CHECKS), mode], extra_env)
+
+
+def run_oea(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The ``oea`` console script of .venv-sglang, as a user runs it there (no test code in the process)."""
+    return _run([str(SGLANG_OEA), *args], extra_env)
 
 
 def run_checks(mode: str, extra_env: dict[str, str] | None = None) -> tuple[int, Any]:

@@ -45,6 +45,10 @@ def test_every_check_passes(routing: dict[str, Any]) -> None:
     assert routing["sglang_version"] == "0.5.23"
 
 
+def test_sglang_runs_on_its_real_import_chain(routing: dict[str, Any]) -> None:
+    assert _check(routing, "real_import_chain")["ok"], _check(routing, "real_import_chain")
+
+
 def test_oea_off_leaves_sglang_identical(routing: dict[str, Any]) -> None:
     assert _check(routing, "off_no_hooks")["ok"]
     for case in STANDARD_CASES:
