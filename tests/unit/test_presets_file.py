@@ -126,7 +126,7 @@ def test_unreadable_files_are_named(tmp_path: pathlib.Path, capsys, name: str, t
     if text is not None:
         path.write_text(text)
     assert main(["simulate", "--model-preset-file", str(path), "--gpu", "h100-sxm", "--batch-sizes", "4",
-                 "--num-batches", "1"]) == 2
+                 "--num-batches", "2"]) == 2
     assert re.search(message, capsys.readouterr().err)
 
 

@@ -174,6 +174,8 @@ def _roofline(args: argparse.Namespace) -> int:
     default = None if args.model_preset_file else "qwen3-30b-a3b"
     preset = resolve_model_preset(args.model or default, args.model_preset_file, name_flag="--model")
     assert preset is not None
+    if args.k0 is None:
+        args.k0 = [k0 for k0 in (3, 5) if k0 <= preset.model.top_k] or [preset.model.top_k]
     args.tp, ep = parallel_degrees(preset, args.tp, args.ep)
     args.ep = ep or 1
     trace = None if args.trace == "none" else args.trace
@@ -267,8 +269,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     r.add_argument("--tp", type=int_at_least(1), default=None, help="tensor-parallel degree (default 1)")
     r.add_argument("--ep", type=int_at_least(1), default=None, help="expert-parallel degree (default 1)")
     add_batch_sizes_argument(r, [1, 4, 16, 64, 256, 1024], "decode batch sizes B")
-    r.add_argument("--k0", type=int_at_least(1), nargs="+", default=[3, 5], metavar="K0",
-                   help="OEA k0 values, each in 1..top_k of the model")
+    r.add_argument("--k0", type=int_at_least(1), nargs="+", default=None, metavar="K0",
+                   help="OEA k0 values, each in 1..top_k of the model (default: 3 5, those within top_k)")
     r.add_argument("--trace", default="qwen3-30b-a3b",
                    help="bundled trace or trace file for real T ('none' for uniform routing only)")
     r.add_argument("--num-batches", type=int_at_least(2), default=16,
