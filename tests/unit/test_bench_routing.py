@@ -42,3 +42,28 @@ def test_cli_json_reports_every_shape_and_the_targets(capsys):
 def test_cli_rejects_bad_arguments(capsys):
     assert main(["bench", "routing", "--k0", "9", "--repeats", "5", "--json"]) == 2
     assert "--k0" in capsys.readouterr().err
+
+
+def test_figures_are_medians_of_the_timed_calls(monkeypatch):
+    """Each variant's figure is the median of its timed calls (an outlier call does not move it), warm-up
+    calls are not timed, and the ratios are ratios of those medians."""
+    from oea.bench import routing
+
+    clock = [0]
+    durations_ns = {"vanilla": [1000, 3000, 2000, 900_000, 4000], "oea": [2000, 2000, 5000, 6000, 3000],
+                    "naive": [40_000, 10_000, 20_000, 30_000, 50_000]}
+    pool = 2
+
+    def variant(name):
+        calls = iter([10**9] * pool + durations_ns[name])  # warm-up calls take "1 s" and must not count
+
+        def call(x):
+            clock[0] += next(calls)
+
+        return call
+
+    monkeypatch.setattr(routing.time, "perf_counter_ns", lambda: clock[0])
+    monkeypatch.setattr(routing, "_variants", lambda *args, **kwargs: {n: variant(n) for n in durations_ns})
+    row = routing.measure(64, 4, 8, 2, repeats=5, seed=0, pool=pool)
+    assert (row["vanilla_us"], row["oea_us"], row["naive_us"]) == (3.0, 3.0, 30.0)
+    assert row["oea_vs_vanilla"] == 1.0 and row["naive_vs_oea"] == 10.0

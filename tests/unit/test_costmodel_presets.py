@@ -57,7 +57,9 @@ def test_cost_slope_from_the_datasheet_matches_the_papers_measured_slope() -> No
 def test_tp8_prediction_is_near_the_papers_235b_table() -> None:
     # Paper §11.3: Qwen3-235B-A22B, TP8 on H100, latency incl. all-reduce: 119.4 µs (T=54.0), 87.7 (T=28.3).
     model = CostModel(get_model_preset("qwen3-235b-a22b"), get_gpu_preset("h100-sxm"), tp=8)
-    assert model.allreduce_us(16) > 0
+    # ring all-reduce of the [16, 4096] bf16 output over 8 GPUs: 5 µs + 2·7/8 · 131072 B / 450 GB/s
+    assert model.allreduce_us(16) == pytest.approx(5.0 + 2 * 7 / 8 * 16 * 4096 * 2 / 450e3)
+    assert CostModel(get_model_preset("qwen3-235b-a22b"), get_gpu_preset("h100-sxm")).allreduce_us(16) == 0.0
     assert model.layer_latency_us(54.0, 128, 16) == pytest.approx(119.4, rel=0.10)
     assert model.layer_latency_us(28.3, 128, 16) == pytest.approx(87.7, rel=0.15)
     single = CostModel(get_model_preset("qwen3-235b-a22b"), get_gpu_preset("h100-sxm"))
@@ -102,6 +104,26 @@ def test_roofline_is_memory_bound_at_decode_and_compute_bound_at_huge_batches() 
     assert [r["bound"] for r in rows] == ["memory", "memory", "compute"]
     assert rows[1]["uniform_active_experts"] == pytest.approx(uniform_active_experts(128, 8, 16))
     assert rows[0]["ridge_point_flops_per_byte"] == pytest.approx(989e12 / 3350e9)
+
+
+def test_roofline_scales_trace_T_to_a_model_of_another_size() -> None:
+    """T measured on a trace of N=128, k=8 is carried to glm-5 (N=256, k=8) by the uniform-routing ratio;
+    on a model of the trace's own size it is used as is."""
+    from oea.sim.roofline import TraceRef, roofline_from_table
+
+    table = {("vanilla", None, 16): {"T": 60.0, "T_device": None, "experts_per_token": 8.0},
+             ("oea", 3, 16): {"T": 30.0, "T_device": None, "experts_per_token": 6.0}}
+    trace = TraceRef("t", 128, 8)
+    [glm] = roofline_from_table("glm-5", "h100-sxm", 1, 1, [16], [3], table, trace)
+    ratio = uniform_active_experts(256, 8, 16) / uniform_active_experts(128, 8, 16)
+    assert glm["trace_vanilla_active_experts"] == pytest.approx(60.0 * ratio)
+    assert glm["oea_k0_3_active_experts"] == pytest.approx(30.0 * ratio)
+    [qwen] = roofline_from_table("qwen3-30b-a3b", "h100-sxm", 1, 1, [16], [3], table, trace)
+    assert (qwen["trace_vanilla_active_experts"], qwen["oea_k0_3_active_experts"]) == (60.0, 30.0)
+    cost = CostModel(get_model_preset("qwen3-30b-a3b"), get_gpu_preset("h100-sxm"))
+    assert qwen["latency_oea_k0_3_us"] == pytest.approx(cost.layer_latency_us(30.0, 16 * 6.0, 16))
+    assert qwen["predicted_gain_k0_3"] == pytest.approx(1 - qwen["latency_oea_k0_3_us"] / cost.layer_latency_us(
+        60.0, 16 * 8.0, 16))
 
 
 def test_roofline_with_the_trace_predicts_an_oea_gain_for_glm5_tp8() -> None:

@@ -37,11 +37,12 @@ def batches(draw: st.DrawFn):
     return logits, oea.RouterSpec(n, k), draw(st.integers(1, k)), draw(st.sampled_from([2, 4, 8]))
 
 
-def ep_reference(logits, spec, k0, placement, valid=None):
+def ep_reference(logits, spec, k0, placement, valid=None, boost_rank=None):
     """Literal EP-aware OEA: per-device slack filled by the most wanted new experts.
 
     Reads the placement only through ``device_of_expert`` (any expert -> device map); padding rows
-    (``valid`` False) neither join the union nor add demand, and keep their own top-k.
+    (``valid`` False) neither join the union nor add demand, and keep their own top-k. A token's
+    demand covers its own ranks k0+1..``boost_rank`` (default top_k).
     """
     probs = torch.softmax(logits.double(), -1)
     m, n = probs.shape
@@ -52,7 +53,7 @@ def ep_reference(logits, spec, k0, placement, valid=None):
     counts = [sum(1 for e in union if device[e] == d) for d in range(placement.num_devices)]
     demand: dict[int, float] = {}
     for i, r in enumerate(ranking):
-        for e in r[k0 : spec.top_k]:
+        for e in r[k0 : boost_rank or spec.top_k]:
             if real[i] and e not in union:
                 demand[e] = demand.get(e, 0.0) + float(probs[i, e])
     enlarged = set(union)
@@ -112,8 +113,9 @@ def test_ep_aware_oea_follows_a_non_contiguous_placement(case, data):
     valid = None
     if data.draw(st.booleans()):  # several padding rows, at least one real row
         valid = torch.arange(m) % 3 != 2
-    ids, w = oea.route(logits, spec, EPOEAConfig(k0, placement, min_batch=0), valid)
-    want, busiest = ep_reference(logits, spec, k0, placement, valid)
+    boost_rank = data.draw(st.sampled_from([None, spec.top_k, min(2 * spec.top_k, spec.num_experts)]))
+    ids, w = oea.route(logits, spec, EPOEAConfig(k0, placement, boost_rank=boost_rank, min_batch=0), valid)
+    want, busiest = ep_reference(logits, spec, k0, placement, valid, boost_rank)
     assert chosen_sets(ids, w) == want
     assert int(max_device_active_experts(ids, w, placement, valid)) == busiest
 
@@ -147,6 +149,34 @@ def test_subtractive_comparator(case, target):
     assert set().union(*chosen_sets(ids, w)) <= vanilla_union
     if target >= len(vanilla_union):
         assert chosen_sets(ids, w) == chosen_sets(v_ids, v_w)
+
+
+POLICIES = {
+    "oea": lambda k0, size, spec, ep: oea.OEAConfig(k0, min_batch=0),
+    "pruned": lambda k0, size, spec, ep: oea.PrunedConfig(k0),
+    "budget": lambda k0, size, spec, ep: BudgetConfig(size, min_batch=0),
+    "subtractive": lambda k0, size, spec, ep: SubtractiveConfig(size, min_batch=0),
+    "ep-oea": lambda k0, size, spec, ep: EPOEAConfig(k0, ExpertPlacement.contiguous(spec.num_experts, ep),
+                                                      min_batch=0),
+    "adaptive": lambda k0, size, spec, ep: AdaptiveK0Config(((64, k0),), min_batch=0),  # k0 fixed: M differs
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=15, deadline=None)
+@given(batches(), st.integers(1, 16), st.data())
+def test_padding_rows_never_change_the_real_rows(policy, case, size, data):
+    """Every batch-aware policy: real rows routed next to padding rows exactly as if alone; padding rows
+    keep their own top-k."""
+    logits, spec, k0, ep = case
+    cfg = POLICIES[policy](k0, min(size, spec.num_experts), spec, ep)
+    pad = torch.randn(data.draw(st.integers(1, 4)), spec.num_experts) * 3
+    valid = torch.cat([torch.ones(len(logits), dtype=torch.bool), torch.zeros(len(pad), dtype=torch.bool)])
+    ids, w = oea.route(torch.cat([logits, pad]), spec, cfg, valid)
+    alone_ids, alone_w = oea.route(logits, spec, cfg)
+    assert chosen_sets(ids[: len(logits)], w[: len(logits)]) == chosen_sets(alone_ids, alone_w)
+    torch.testing.assert_close(w[: len(logits)], alone_w)
+    assert chosen_sets(ids[len(logits):], w[len(logits):]) == chosen_sets(*oea.route(pad, spec))
 
 
 def test_subtractive_drops_the_least_used_expert():

@@ -326,6 +326,7 @@ def test_active_experts_counts_distinct_nonzero_valid():
     assert int(oea.active_experts(ids, torch.zeros_like(w))) == 0
     load = oea.expert_load(ids, w, 8)
     assert load.tolist() == [0, 2, 1, 1, 0, 0, 0, 1]
+    assert oea.expert_load(ids, w, 8, torch.tensor([True, False, True])).tolist() == [0, 1, 1, 0, 0, 0, 0, 1]
 
 
 def test_compiles_fullgraph_with_identical_results():
