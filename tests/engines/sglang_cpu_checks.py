@@ -277,6 +277,8 @@ def run_fallbacks() -> dict[str, Any]:
     import logging
 
     import oea
+    import oea.integrations.sglang.targets as targets  # the names the hooks and the doctor read at call time
+    from oea.config import settings_from_env
     from oea.integrations import sglang as plugin
 
     records: list[str] = []
@@ -294,10 +296,10 @@ def run_fallbacks() -> dict[str, Any]:
 
     case = _cases(sg)["glm5_sigmoid_ngroup1"]
     baseline = _select(sg, case)
-    real_target = plugin.POST_PROCESS_TARGET
+    real_target = targets.POST_PROCESS_TARGET
     renamed = real_target + "_renamed_in_a_future_sglang"
-    plugin.POST_PROCESS_TARGET = renamed
-    plugin.EXPECTED_PARAMETERS[renamed] = plugin.EXPECTED_PARAMETERS[real_target]
+    targets.POST_PROCESS_TARGET = renamed
+    targets.EXPECTED_PARAMETERS[renamed] = targets.EXPECTED_PARAMETERS[real_target]
     os.environ["OEA_K0"] = str(K0)
     try:
         sg.plugins.load_plugins()
@@ -314,8 +316,8 @@ def run_fallbacks() -> dict[str, Any]:
     check("doctor_names_missing_target", not target_check["ok"] and renamed in target_check["detail"]
           and "supported SGLang versions" in target_check["detail"], target_check["detail"])
 
-    plugin.POST_PROCESS_TARGET = real_target
-    patched = plugin.install_without_registry(plugin.settings_from_env())
+    targets.POST_PROCESS_TARGET = real_target
+    patched = plugin.install_without_registry(settings_from_env())
     with _in_mode(sg, "DECODE"):
         out = _select(sg, case)
     check("direct_patch_targets", real_target in patched, f"{patched}")

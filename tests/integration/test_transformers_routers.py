@@ -25,10 +25,9 @@ from oea.integrations.transformers import (  # noqa: E402
     SOFTMAX_RENORM_ROUTERS,
     SUPPORTED_ROUTERS,
     MoELayer,
-    _HandleState,
-    _LayerHook,
     spec_from_router,
 )
+from oea.integrations.transformers.routing import _HandleState, _LayerHook  # noqa: E402
 from oea.routing import OEAConfig, route  # noqa: E402
 
 torch.set_num_threads(1)

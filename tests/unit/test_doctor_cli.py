@@ -117,7 +117,7 @@ def test_cli_rejects_unknown_engine(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_sglang_environment_check_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from oea.integrations import sglang
+    from oea.integrations.sglang import doctor as sglang
 
     monkeypatch.setenv("OEA_K0", "two")
     failed = doctor.check_call("environment", sglang._check_environment)
@@ -172,7 +172,7 @@ def test_sglang_without_expected_target_names_it_and_the_supported_versions(tmp_
 
 
 def test_sglang_target_check_tells_missing_from_broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from oea.integrations import sglang
+    from oea.integrations.sglang import doctor as sglang
 
     package = tmp_path / "oea_fake_engine"
     package.mkdir()

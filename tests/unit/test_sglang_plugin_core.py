@@ -6,6 +6,7 @@ configs are duck-typed namespaces with TopKConfig's field names.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import sys
@@ -19,8 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oea
-from oea.config import settings_from_env
+import oea.integrations.sglang.hooks as plugin_hooks
+import oea.integrations.sglang.plugin as plugin_entry
+import oea.integrations.sglang.routing as plugin_routing
+from oea.config import read_layer_k0_file, settings_from_env, write_layer_k0_file
 from oea.integrations import sglang as plugin
+from oea.integrations.sglang.state import STATE, State
 
 torch.set_num_threads(1)
 REAL_HOOK_PLAN = plugin.hook_plan
@@ -57,9 +62,8 @@ def glm_config(**overrides: Any) -> SimpleNamespace:
 
 @pytest.fixture(autouse=True)
 def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(plugin, "_STATE", plugin._State())
-    monkeypatch.setattr(plugin, "_SPECS", {})
-    monkeypatch.setattr(plugin, "_WARNED", set())
+    for field in dataclasses.fields(State):  # the plugin's one STATE, fresh for each test and restored after
+        monkeypatch.setattr(STATE, field.name, getattr(State(), field.name))
     for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH"):
         monkeypatch.delenv(name, raising=False)
     yield
@@ -238,7 +242,7 @@ def test_rewrite_rejects_mismatched_shapes() -> None:
 
 
 def test_decode_detection_nests_and_inherits() -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
     assert not plugin.decode_active()
     with plugin.forward_mode(FakeMode.DECODE):
         assert plugin.decode_active()
@@ -248,7 +252,7 @@ def test_decode_detection_nests_and_inherits() -> None:
             assert not plugin.decode_active()
     with plugin.forward_mode(FakeMode.TARGET_VERIFY):
         assert not plugin.decode_active()
-        plugin._STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_APPLY_TO_VERIFY": "1"})
+        STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_APPLY_TO_VERIFY": "1"})
         assert plugin.decode_active()
 
 
@@ -261,13 +265,13 @@ def _hook_kwargs(cfg: SimpleNamespace, rows: int = 6, experts: int = 64) -> dict
 
 
 def test_post_process_hook_rewrites_only_in_decode(fake_topk_module: types.ModuleType) -> None:
-    plugin._STATE.settings = settings_from_env({"SGLANG_OEA_K0": "2"})
+    STATE.settings = settings_from_env({"SGLANG_OEA_K0": "2"})
     kwargs = _hook_kwargs(glm_config())
-    assert plugin._post_process_before(**kwargs) is None  # no forward context: prefill / unknown
+    assert plugin_routing.post_process_before(**kwargs) is None  # no forward context: prefill / unknown
     with plugin.forward_mode(FakeMode.EXTEND):
-        assert plugin._post_process_before(**kwargs) is None
+        assert plugin_routing.post_process_before(**kwargs) is None
     with plugin.forward_mode(FakeMode.DECODE):
-        args, new = plugin._post_process_before(**kwargs)
+        args, new = plugin_routing.post_process_before(**kwargs)
     spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
     expected_ids, expected_weights = oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))
     assert args == () and torch.equal(new["topk_ids"].long(), expected_ids)
@@ -277,12 +281,12 @@ def test_post_process_hook_rewrites_only_in_decode(fake_topk_module: types.Modul
 
 
 def test_one_topk_config_with_two_expert_counts_gets_two_specs(fake_topk_module: types.ModuleType) -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
     cfg = topk_config()
     with plugin.forward_mode(FakeMode.DECODE):
         for experts in (64, 32, 64):
             kwargs = _hook_kwargs(cfg, experts=experts)
-            _, new = plugin._post_process_before(**kwargs)
+            _, new = plugin_routing.post_process_before(**kwargs)
             spec = oea.RouterSpec(experts, 8)
             assert torch.equal(new["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))[0])
 
@@ -290,39 +294,40 @@ def test_one_topk_config_with_two_expert_counts_gets_two_specs(fake_topk_module:
 def test_unsupported_layer_passes_through_with_one_warning(
     fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
     kwargs = _hook_kwargs(topk_config(), experts=64)
     kwargs["topk_config"] = topk_config(scoring_func="sqrtsoftplus")
     with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
-        assert plugin._post_process_before(**kwargs) is None
-        assert plugin._post_process_before(**kwargs) is None
+        assert plugin_routing.post_process_before(**kwargs) is None
+        assert plugin_routing.post_process_before(**kwargs) is None
     warnings = [r for r in caplog.records if "sqrtsoftplus" in r.getMessage()]
     assert len(warnings) == 1
 
 
 def test_k0_larger_than_top_k_passes_through(fake_topk_module: types.ModuleType,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "9"})
+    STATE.settings = settings_from_env({"OEA_K0": "9"})
     with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
-        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is None
+        assert plugin_routing.post_process_before(**_hook_kwargs(topk_config())) is None
     assert any("OEA_K0" in r.getMessage() and "top_k=8" in r.getMessage() for r in caplog.records)
 
 
 def test_aiter_and_draft_topks_pass_through(fake_topk_module: types.ModuleType) -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
     with plugin.forward_mode(FakeMode.DECODE):
-        assert plugin._post_process_before(**_hook_kwargs(topk_config(allow_routed_experts_capture=False))) is None
+        draft = topk_config(allow_routed_experts_capture=False)
+        assert plugin_routing.post_process_before(**_hook_kwargs(draft)) is None
         fake_topk_module._use_aiter = True
-        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is None
+        assert plugin_routing.post_process_before(**_hook_kwargs(topk_config())) is None
 
 
 def test_dynamic_expert_bias_call_passes_through(fake_topk_module: types.ModuleType) -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
     with plugin.forward_mode(FakeMode.DECODE):
-        plugin._select_experts_before(dynamic_expert_bias=torch.zeros(6, 64))
-        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is None
-        plugin._select_experts_before(dynamic_expert_bias=None)
-        assert plugin._post_process_before(**_hook_kwargs(topk_config())) is not None
+        plugin_routing.select_experts_before(dynamic_expert_bias=torch.zeros(6, 64))
+        assert plugin_routing.post_process_before(**_hook_kwargs(topk_config())) is None
+        plugin_routing.select_experts_before(dynamic_expert_bias=None)
+        assert plugin_routing.post_process_before(**_hook_kwargs(topk_config())) is not None
 
 
 def test_forward_context_hook_pushes_the_batch_mode() -> None:
@@ -336,7 +341,7 @@ def test_forward_context_hook_pushes_the_batch_mode() -> None:
         yield "inner"
 
     batch = SimpleNamespace(forward_mode=FakeMode.DECODE)
-    with plugin._forward_context_around(original, "ctx", forward_batch=batch) as value:
+    with plugin_hooks._forward_context_around(original, "ctx", forward_batch=batch) as value:
         assert value == "inner" and plugin.current_forward_mode() is FakeMode.DECODE
     assert seen == [FakeMode.DECODE] and plugin.current_forward_mode() is None
 
@@ -348,17 +353,17 @@ def test_forward_context_hook_reads_a_positional_batch() -> None:
     def original(ctx: Any, forward_batch: Any = None):
         yield plugin.decode_active()
 
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
-    with plugin._forward_context_around(original, "ctx", SimpleNamespace(forward_mode=FakeMode.DECODE)) as seen:
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    with plugin_hooks._forward_context_around(original, "ctx", SimpleNamespace(forward_mode=FakeMode.DECODE)) as seen:
         assert seen is True
-    with plugin._forward_context_around(original, "ctx", SimpleNamespace(forward_mode=FakeMode.EXTEND)) as seen:
+    with plugin_hooks._forward_context_around(original, "ctx", SimpleNamespace(forward_mode=FakeMode.EXTEND)) as seen:
         assert seen is False
 
 
 def test_hooks_of_versions_without_forward_context_push_the_mode() -> None:
     """SGLang 0.5.12-0.5.14: the mode comes from ``ModelRunner.forward(self, forward_batch)`` and from the
     graph runner's ``capture_forward_mode`` while a CUDA graph is captured."""
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
     runner = SimpleNamespace(capture_forward_mode=FakeMode.DECODE)
     decode_batch = SimpleNamespace(forward_mode=FakeMode.DECODE)
     extend_batch = SimpleNamespace(forward_mode=FakeMode.EXTEND)
@@ -366,10 +371,10 @@ def test_hooks_of_versions_without_forward_context_push_the_mode() -> None:
     def seen(*args: Any, **kwargs: Any) -> bool:
         return plugin.decode_active()
 
-    assert plugin._model_runner_forward_around(seen, runner, decode_batch) is True
-    assert plugin._model_runner_forward_around(seen, runner, forward_batch=extend_batch) is False
-    assert plugin._graph_capture_around(seen, runner) is True
-    assert plugin._graph_capture_around(seen, SimpleNamespace(capture_forward_mode=FakeMode.EXTEND)) is False
+    assert plugin_hooks._model_runner_forward_around(seen, runner, decode_batch) is True
+    assert plugin_hooks._model_runner_forward_around(seen, runner, forward_batch=extend_batch) is False
+    assert plugin_hooks._graph_capture_around(seen, runner) is True
+    assert plugin_hooks._graph_capture_around(seen, SimpleNamespace(capture_forward_mode=FakeMode.EXTEND)) is False
     assert not plugin.decode_active()  # popped again
 
 
@@ -377,10 +382,10 @@ def test_missing_rewrite_hook_is_reported_on_the_first_forward(monkeypatch: pyte
                                                                caplog: pytest.LogCaptureFixture) -> None:
     import contextlib
 
-    monkeypatch.setattr(plugin, "target_hooked", lambda target: target != plugin.POST_PROCESS_TARGET)
+    monkeypatch.setattr(plugin_hooks, "target_hooked", lambda target: target != plugin.POST_PROCESS_TARGET)
     with caplog.at_level(logging.ERROR, logger=plugin.__name__):
         for _ in range(2):
-            with plugin._forward_context_around(lambda ctx, forward_batch=None: contextlib.nullcontext(), None):
+            with plugin_hooks._forward_context_around(lambda ctx, forward_batch=None: contextlib.nullcontext(), None):
                 pass
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "serving WITHOUT OEA" in errors[0] and plugin.POST_PROCESS_TARGET in errors[0]
@@ -445,7 +450,7 @@ def test_direct_patching_rewrites_decode_only(fake_topk_module: types.ModuleType
 
 def test_register_without_oea_k0_installs_nothing() -> None:
     plugin.register()
-    assert plugin._STATE.installed_targets == () and plugin._STATE.settings is None
+    assert STATE.installed_targets == () and STATE.settings is None
 
 
 def test_register_with_malformed_k0_stops_startup(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -463,14 +468,14 @@ def test_install_registers_every_planned_hook(monkeypatch: pytest.MonkeyPatch) -
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", registry)
-    monkeypatch.setattr(plugin, "hook_plan", lambda phase_via_forward_context=None: REAL_HOOK_PLAN(True))
+    monkeypatch.setattr(plugin_entry, "hook_plan", lambda phase_via_forward_context=None: REAL_HOOK_PLAN(True))
     targets = plugin.install(settings_from_env({"OEA_K0": "2"}))
     assert targets == [plugin.FORWARD_CONTEXT_TARGET, plugin.SELECT_EXPERTS_TARGET, plugin.POST_PROCESS_TARGET]
     kinds = {target: kind.name for target, _, kind in registered}
     assert kinds == {plugin.FORWARD_CONTEXT_TARGET: "AROUND", plugin.SELECT_EXPERTS_TARGET: "BEFORE",
                      plugin.POST_PROCESS_TARGET: "BEFORE"}
     assert plugin.install(settings_from_env({"OEA_K0": "3"})) == targets  # idempotent
-    assert len(registered) == 3 and plugin._STATE.settings.oea.k0 == 3
+    assert len(registered) == 3 and STATE.settings.oea.k0 == 3
 
 
 def test_hook_plan_falls_back_without_forward_context() -> None:
@@ -490,24 +495,25 @@ def test_direct_patch_updates_by_name_copies(monkeypatch: pytest.MonkeyPatch) ->
     def doubling_before(x: int) -> tuple[tuple[int], dict[str, Any]]:
         return (2 * x,), {}
 
-    plugin._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")
-    plugin._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")  # no double wrap
+    plugin_entry._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")
+    plugin_entry._patch(f"{source.__name__}.compute", doubling_before, "BEFORE")  # no double wrap
     assert source.compute(3) == 7 and importer.compute(3) == 7
-    assert plugin._has_hook(importer.compute, doubling_before)
+    assert plugin_hooks.has_hook(importer.compute, doubling_before)
 
 
 def test_per_layer_k0_file_sets_each_layers_k0(fake_topk_module: types.ModuleType, tmp_path) -> None:
     path = tmp_path / "k0.json"
-    oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(1, 6), layer_ids=(5, 9)).save(path)
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)})
-    plugin._STATE.layer_schedule = oea.routing.LayerK0Schedule.load(path)
+    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(1, 6),
+                                                    layer_ids=(5, 9)), path)
+    STATE.settings = settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)})
+    STATE.layer_schedule = read_layer_k0_file(path)
     kwargs = _hook_kwargs(glm_config())
     spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
     with plugin.forward_mode(FakeMode.DECODE):
-        _, layer5 = plugin._post_process_before(**kwargs)
-        _, layer7 = plugin._post_process_before(**{**kwargs, "layer_id": 7})  # not in the file: OEA_K0
-        _, layer9 = plugin._post_process_before(**{**kwargs, "layer_id": 9})
-        _, layer5_again = plugin._post_process_before(**kwargs)
+        _, layer5 = plugin_routing.post_process_before(**kwargs)
+        _, layer7 = plugin_routing.post_process_before(**{**kwargs, "layer_id": 7})  # not in the file: OEA_K0
+        _, layer9 = plugin_routing.post_process_before(**{**kwargs, "layer_id": 9})
+        _, layer5_again = plugin_routing.post_process_before(**kwargs)
     assert torch.equal(layer5["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(1))[0])
     assert torch.equal(layer7["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(3))[0])
     assert torch.equal(layer9["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(6))[0])
@@ -517,11 +523,11 @@ def test_per_layer_k0_file_sets_each_layers_k0(fake_topk_module: types.ModuleTyp
 def test_per_layer_k0_file_for_another_model_falls_back_visibly(
     fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plugin._STATE.settings = settings_from_env({"OEA_K0": "2"})
-    plugin._STATE.layer_schedule = oea.routing.LayerK0Schedule(num_experts=128, top_k=8, num_layers=1, k0=(1,))
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.layer_schedule = oea.routing.LayerK0Schedule(num_experts=128, top_k=8, num_layers=1, k0=(1,))
     kwargs = _hook_kwargs(glm_config())
     spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
     with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
-        _, new = plugin._post_process_before(**kwargs)
+        _, new = plugin_routing.post_process_before(**kwargs)
     assert torch.equal(new["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))[0])
     assert any("num_experts 128 vs 64" in r.getMessage() for r in caplog.records)

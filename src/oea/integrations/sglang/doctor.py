@@ -1,0 +1,179 @@
+"""``oea doctor sglang``: version, environment, entry point, plugin system, every hook target with the
+parameters the hooks read, hooks live after SGLang's own ``load_plugins()``, and a self-test through the
+real ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import oea.integrations.sglang.targets as targets
+from oea.config import EnvSettings, settings_from_env
+from oea.integrations.doctor_common import check, check_call, entry_point_checks, same_routing, version_tuple
+from oea.integrations.sglang.hooks import hook_plan, hooks_status
+from oea.integrations.sglang.plugin import install, register
+from oea.integrations.sglang.state import forward_mode
+from oea.integrations.sglang.targets import engine_version
+from oea.routing import OEAConfig, RouterSpec, active_experts, route
+
+
+def doctor_checks() -> list[dict[str, Any]]:
+    """``oea doctor`` checks for SGLang: ``[{"name", "ok", "detail"}]``.
+
+    Version, environment, entry point (registered, loads), plugin system, every hook target with
+    its signature, hooks live after SGLang's own ``load_plugins()``, and a self-test through the
+    real ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context.
+    """
+    checks = [check_call("version", _check_version), check_call("environment", _check_environment),
+              *entry_point_checks(targets.ENTRY_POINT_GROUP, targets.ENTRY_POINT_VALUE, register, "SGLang"),
+              check_call("plugin system", _check_plugin_system)]
+    for target, _, _ in hook_plan():
+        checks.append(check_call(f"hook target {target}", lambda target=target: _check_target(target)))
+    if all(c["ok"] for c in checks):
+        checks.append(check_call("hooks live", _check_hooks_live))
+        checks.append(check_call("self-test select_experts", _self_test))
+    else:
+        checks.append(check("self-test select_experts", False, "skipped: fix the failed checks above first; "
+                                                               "until then SGLang serves without OEA"))
+    return checks
+
+
+def _check_version() -> str:
+    found = engine_version()
+    if found is None:
+        raise RuntimeError("sglang is not installed")
+    if version_tuple(found) < targets.PLUGIN_VERSION_MIN:
+        raise RuntimeError(f"sglang {found} has no plugin system; supported: {targets.SUPPORTED_VERSIONS}")
+    newer = version_tuple(found) > version_tuple(targets.TESTED_VERSION)
+    return f"sglang {found}" + (f" (newer than tested {targets.TESTED_VERSION})" if newer else "") + \
+        f"; supported {targets.SUPPORTED_VERSIONS}"
+
+
+def _check_environment() -> str:
+    settings = settings_from_env()
+    if settings.oea is None:
+        return "OEA off: OEA_K0 (or SGLANG_OEA_K0) unset; SGLang routing stays unmodified"
+    source = ", ".join(f"{k}={v}" for k, v in (settings.source or {}).items())
+    return (f"OEA on: k0={settings.oea.k0}, min_batch={settings.oea.min_batch}, "
+            f"max_experts={settings.oea.max_experts or 'top_k'}, group_fill={settings.oea.group_fill}, "
+            f"apply_to_verify={settings.apply_to_verify} ({source})")
+
+
+def _check_plugin_system() -> str:
+    from sglang.srt.plugins import load_plugins  # noqa: F401
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
+
+    return "sglang.srt.plugins.load_plugins and HookRegistry available"
+
+
+def _check_target(target: str) -> str:
+    try:
+        obj = _import_target(target)
+    except (AttributeError, ModuleNotFoundError) as err:
+        raise RuntimeError(f"missing target {target} ({err}); supported SGLang versions: "
+                           f"{targets.SUPPORTED_VERSIONS}; "
+                           "SGLang will serve unmodified (HookRegistry logs the failure)") from None
+    except Exception as err:
+        raise RuntimeError(f"cannot import the module of {target}: {type(err).__name__}: {' '.join(str(err).split())} "
+                           "(an installation problem, not a version mismatch)") from None
+    params = inspect.signature(inspect.unwrap(obj)).parameters
+    missing = [name for name in targets.EXPECTED_PARAMETERS.get(target, ()) if name not in params]
+    if missing:
+        raise RuntimeError(f"{target} lacks parameter(s) {missing}; supported SGLang versions: "
+                           f"{targets.SUPPORTED_VERSIONS}")
+    return f"{target}({', '.join(params)})"
+
+
+def _import_target(target: str) -> Any:
+    """Resolve a dotted target, letting a module's own import error through (unlike pkgutil)."""
+    parts = target.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for index in range(1, len(parts)):
+        name = ".".join(parts[: index + 1])
+        if hasattr(obj, "__path__"):  # a package: the next part may be a submodule
+            try:
+                obj = importlib.import_module(name)
+                continue
+            except ModuleNotFoundError as err:
+                if err.name != name:
+                    raise
+        obj = getattr(obj, parts[index])
+    return obj
+
+
+def _check_hooks_live() -> str:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # SGLang's own loader: runs every entry point, then HookRegistry.apply_hooks()
+    settings = settings_from_env()
+    status = hooks_status()
+    if settings.oea is None:
+        if any(status.values()):
+            raise RuntimeError(f"OEA_K0 is unset but hooks are installed: {status}")
+        return "OEA off: plugin loaded, no hooks installed (set OEA_K0 to enable)"
+    missing = [target for target, ok in status.items() if not ok]
+    if missing:
+        raise RuntimeError(f"hooks not installed on {missing} (HookRegistry logged why); "
+                           f"supported SGLang versions: {targets.SUPPORTED_VERSIONS}")
+    return f"installed on {', '.join(status)}"
+
+
+def _self_test() -> str:
+    """Route 16 decode rows through the real ``select_experts`` (torch-native softmax) and compare."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    topk = importlib.import_module(targets.TOPK_MODULE)
+    settings = settings_from_env()
+    forced = settings.oea is None
+    if forced:  # prove the path anyway, with a throw-away config in this doctor process only
+        settings = EnvSettings(oea=OEAConfig(k0=1), source={})
+        install(settings)
+        HookRegistry.apply_hooks()
+    assert settings.oea is not None
+    cfg = settings.oea
+    top_k = max(8, cfg.k0, cfg.max_experts or 0)
+    num_experts, rows = 8 * top_k, 16
+    logits = torch.randn(rows, num_experts, generator=torch.Generator().manual_seed(0)) * 2.0
+    spec = RouterSpec(num_experts, top_k, "softmax", True)
+    config = topk.TopKConfig(top_k=top_k, renormalize=True, torch_native=True)
+    hidden = torch.zeros(rows, 1)
+    with torch._dynamo.config.patch(disable=True):
+        with _doctor_forward("DECODE"):
+            decode = topk.select_experts(hidden_states=hidden, router_logits=logits, topk_config=config, layer_id=0)
+        with _doctor_forward("EXTEND"):
+            extend = topk.select_experts(hidden_states=hidden, router_logits=logits, topk_config=config, layer_id=0)
+    expected_ids, expected_weights = route(logits, spec, cfg)
+    vanilla_ids, vanilla_weights = route(logits, spec)
+    if not same_routing(decode.topk_ids, decode.topk_weights, expected_ids, expected_weights):
+        raise RuntimeError("DECODE routing through select_experts does not match oea.route: the rewrite hook "
+                           "is not live")
+    if not same_routing(extend.topk_ids, extend.topk_weights, vanilla_ids, vanilla_weights):
+        raise RuntimeError("EXTEND routing was changed: OEA must only touch decode steps")
+    t_vanilla = int(active_experts(vanilla_ids, vanilla_weights))
+    t_oea = int(active_experts(decode.topk_ids.long(), decode.topk_weights))
+    note = " (OEA is off here: self-test forced k0=1)" if forced else ""
+    return (f"DECODE {rows} rows, {num_experts} experts, top-{top_k}, k0={cfg.k0}: active experts "
+            f"{t_vanilla} -> {t_oea}, equal to oea.route; EXTEND unchanged{note}")
+
+
+@contextlib.contextmanager
+def _doctor_forward(mode_name: str) -> Iterator[None]:
+    """SGLang's ``forward_context`` (hooked) with a minimal batch in ``mode_name``; phase stack fallback."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    mode = getattr(ForwardMode, mode_name)
+    if not targets.module_exists(targets.FORWARD_CONTEXT_MODULE):
+        with forward_mode(mode):
+            yield
+        return
+    fc = importlib.import_module(targets.FORWARD_CONTEXT_MODULE)
+    batch = SimpleNamespace(forward_mode=mode, moe_num_token_non_padded=None)
+    with fc.forward_context(fc.ForwardContext(attn_backend=None), forward_batch=batch):
+        yield

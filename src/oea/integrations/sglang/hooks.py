@@ -1,0 +1,119 @@
+"""The hooks the plugin puts into SGLang, and whether they are in place.
+
+* Decode detection: an AROUND hook on ``forward_context`` (0.5.15+) or, on versions without it, on
+  ``ModelRunner.forward`` plus ``CudaGraphRunner.capture_one_batch_size``. Each pushes the batch's
+  ``ForwardMode`` on the per-thread stack of ``state.py`` for the duration of the forward (or capture).
+* The rewrite: ``routing.post_process_before`` and ``routing.select_experts_before`` (BEFORE hooks).
+
+``hook_plan`` lists (target, hook, kind) for the installed SGLang; ``target_hooked`` tells whether a
+hook is in a target's wrapper chain (put there by SGLang's ``HookRegistry`` or by ``plugin._patch``).
+Target names are read from ``targets`` at call time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import oea.integrations.sglang.targets as targets
+from oea.integrations.sglang.routing import post_process_before, select_experts_around_legacy, select_experts_before
+from oea.integrations.sglang.state import STATE, forward_mode, log
+
+
+def _forward_context_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``forward_context(ctx, *, forward_batch=None)``: returns a context manager."""
+    forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
+    mode = getattr(forward_batch, "forward_mode", None) if forward_batch is not None else None
+    return _phase_context(original(*args, **kwargs), mode)
+
+
+@contextlib.contextmanager
+def _phase_context(inner: Any, mode: Any) -> Iterator[Any]:
+    _note_phase_hook()
+    with forward_mode(mode), inner as value:
+        yield value
+
+
+def _model_runner_forward_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``ModelRunner.forward(self, forward_batch, ...)`` (versions without forward_context)."""
+    forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
+    _note_phase_hook()
+    with forward_mode(getattr(forward_batch, "forward_mode", None)):
+        return original(*args, **kwargs)
+
+
+def _graph_capture_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``CudaGraphRunner.capture_one_batch_size`` (versions without forward_context)."""
+    runner = args[0] if args else None
+    _note_phase_hook()
+    with forward_mode(getattr(runner, "capture_forward_mode", None)):
+        return original(*args, **kwargs)
+
+
+def _note_phase_hook() -> None:
+    """On the first forward of the process: say loudly when the rewrite hook did not get installed."""
+    if not STATE.phase_hook_seen:
+        STATE.phase_hook_seen = True
+        missing = [t for t in (targets.POST_PROCESS_TARGET,) if not target_hooked(t)]
+        if missing:
+            log.error("oea: OEA_K0 is set but the routing hook is not installed on %s; serving WITHOUT OEA "
+                      "(supported SGLang versions: %s; run `oea doctor sglang`)", missing,
+                      targets.SUPPORTED_VERSIONS)
+
+
+def hook_plan(phase_via_forward_context: bool | None = None) -> list[tuple[str, Callable[..., Any], str]]:
+    """(target, hook, HookType name) for this SGLang version, in registration order."""
+    if phase_via_forward_context is None:
+        phase_via_forward_context = targets.module_exists(targets.FORWARD_CONTEXT_MODULE)
+    plan: list[tuple[str, Callable[..., Any], str]] = []
+    if phase_via_forward_context:
+        plan.append((targets.FORWARD_CONTEXT_TARGET, _forward_context_around, "AROUND"))
+    else:
+        plan.append((targets.MODEL_RUNNER_FORWARD_TARGET, _model_runner_forward_around, "AROUND"))
+        plan.append((targets.GRAPH_CAPTURE_TARGET, _graph_capture_around, "AROUND"))
+    plan.append((targets.SELECT_EXPERTS_TARGET, select_experts_before, "BEFORE"))
+    plan.append((targets.POST_PROCESS_TARGET, post_process_before, "BEFORE"))
+    return plan
+
+
+def resolve(dotted: str) -> Any:
+    """The object a dotted name refers to (module attribute or class attribute)."""
+    return pkgutil.resolve_name(dotted)
+
+
+def has_hook(fn: Any, hook: Callable[..., Any]) -> bool:
+    """True when ``hook`` is somewhere in the wrapper chain of ``fn`` (HookRegistry or ``_patch``)."""
+    seen = 0
+    while fn is not None and seen < 32:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def target_hooked(target: str) -> bool:
+    """Whether the OEA hook planned for ``target`` is installed in this process."""
+    hooks = {t: h for t, h, _ in hook_plan()} | {targets.SELECT_EXPERTS_TARGET: select_experts_before}
+    hook = hooks.get(target)
+    if hook is None:
+        return False
+    try:
+        current = resolve(target)
+    except (ImportError, AttributeError):
+        return False
+    if target == targets.SELECT_EXPERTS_TARGET and has_hook(current, select_experts_around_legacy):
+        return True
+    return has_hook(current, hook)
+
+
+def hooks_status() -> dict[str, bool]:
+    """``{target: installed}`` for every target this process registered (or planned)."""
+    planned = STATE.installed_targets or tuple(t for t, _, _ in hook_plan())
+    return {target: target_hooked(target) for target in planned}

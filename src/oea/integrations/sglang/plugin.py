@@ -1,0 +1,139 @@
+"""The entry point ``register`` (``sglang.srt.plugins``) and the two ways the hooks get into SGLang.
+
+Enable with ``OEA_K0=<k0>`` (alias ``SGLANG_OEA_K0``) in the environment of the SGLang server: SGLang's
+``load_plugins()`` runs ``register`` in every process (launcher, schedulers, DP controller, detokenizer),
+which registers ``hooks.hook_plan()`` with SGLang's ``HookRegistry`` (applied by SGLang afterwards).
+Without ``OEA_K0`` nothing is installed and SGLang is untouched. SGLang < 0.5.12 has no plugin system:
+``install_without_registry`` (run by ``python -m oea.launch.sglang``) patches the same targets directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import oea.integrations.sglang.targets as targets
+from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
+from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
+from oea.integrations.sglang.routing import select_experts_around_legacy
+from oea.integrations.sglang.state import STATE, log, warn_once
+
+
+def register() -> None:
+    """``sglang.srt.plugins`` entry point: runs in every SGLang process before hooks are applied.
+
+    Reads the environment (``OEA_K0`` off -> nothing is installed). Does not touch CUDA.
+
+    A malformed ``OEA_*`` value stops the process with ``SystemExit`` naming the variable: SGLang's
+    loader catches (and only logs) ``Exception`` from plugins, which would leave the server running
+    without the requested configuration; ``SystemExit`` makes it a start-up error instead.
+    """
+    try:
+        settings = settings_from_env()
+    except ValueError as err:
+        log.error("oea: invalid OEA configuration: %s", err)
+        raise SystemExit(f"oea: invalid OEA configuration: {err}") from None
+    if settings.oea is None:
+        log.info("oea: OEA_K0 unset; SGLang routing unchanged")
+        return
+    install(settings)
+
+
+def install(settings: EnvSettings) -> list[str]:
+    """Register the OEA hooks for ``settings`` with SGLang's ``HookRegistry`` (applied by it later).
+
+    Returns the registered targets. Idempotent per process; a later call only updates the settings.
+    """
+    simulated = [name for name in targets.SIMULATION_VARIABLES if _env_flag(name)]
+    if simulated:
+        warn_once("simulate", f"{', '.join(simulated)} overrides routing; OEA is not installed")
+        return []
+    STATE.layer_schedule = None
+    STATE.layer_configs.clear()
+    STATE.layer_schedule = layer_k0_schedule(settings)  # errors name OEA_LAYER_K0_FILE and the file
+    STATE.settings = settings
+    STATE.specs.clear()
+    if STATE.installed_targets:
+        return list(STATE.installed_targets)
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError as err:
+        warn_once("no-registry", f"SGLang has no plugin HookRegistry ({err}); supported versions: "
+                                 f"{targets.SUPPORTED_VERSIONS}. Serving without OEA.")
+        return []
+    plan = hook_plan()
+    for target, hook, kind in plan:
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    STATE.installed_targets = tuple(target for target, _, _ in plan)
+    log.info("oea: OEA k0=%d min_batch=%d registered on %s", settings.oea.k0 if settings.oea else 0,
+             settings.oea.min_batch if settings.oea else 0, ", ".join(STATE.installed_targets))
+    return list(STATE.installed_targets)
+
+
+def _env_flag(name: str) -> bool:
+    """An SGLang on/off variable as SGLang reads it (anything but empty/0/false/no/off is on)."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def install_without_registry(settings: EnvSettings) -> list[str]:
+    """Patch the targets directly (SGLang < 0.5.12, no plugin system); used by ``oea.launch.sglang``.
+
+    Returns the patched targets. Versions without ``_post_process_topk_ids`` get an AROUND
+    rewrite of ``select_experts``' output (EPLB remap must be off there; such calls pass through).
+    """
+    STATE.settings = settings
+    STATE.specs.clear()
+    patched: list[str] = []
+    topk = importlib.import_module(targets.TOPK_MODULE)
+    plan = hook_plan()
+    if not hasattr(topk, "_post_process_topk_ids"):
+        replaced = (targets.POST_PROCESS_TARGET, targets.SELECT_EXPERTS_TARGET)
+        plan = [(t, h, k) for t, h, k in plan if t not in replaced]
+        plan.append((targets.SELECT_EXPERTS_TARGET, select_experts_around_legacy, "AROUND"))
+    for target, hook, kind in plan:
+        try:
+            _patch(target, hook, kind)
+        except (ImportError, AttributeError) as err:
+            warn_once(f"patch:{target}", f"cannot hook {target} ({err}); supported versions: "
+                                         f"{targets.SUPPORTED_VERSIONS}")
+            continue
+        patched.append(target)
+    STATE.installed_targets = tuple(patched)
+    return patched
+
+
+def _patch(target: str, hook: Callable[..., Any], kind: str) -> None:
+    """Wrap ``target`` with ``hook`` (``kind`` AROUND or BEFORE, as SGLang's ``HookRegistry`` does); idempotent."""
+    owner_path, name = target.rsplit(".", 1)
+    owner = resolve(owner_path)
+    original = getattr(owner, name)
+    if has_hook(original, hook):
+        return
+    if kind == "AROUND":
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return hook(original, *args, **kwargs)
+    else:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            changed = hook(*args, **kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            return original(*args, **kwargs)
+    wrapped = functools.wraps(original)(wrapper)
+    setattr(owner, name, wrapped)
+    if not isinstance(owner, type):  # refresh `from module import name` copies, as HookRegistry does
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if module is owner or not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                if value is original:
+                    setattr(module, attr, wrapped)
+
+
+def rewrite_count() -> int:
+    """Layer calls rewritten by OEA in this process so far (eager calls and graph captures)."""
+    return STATE.rewrites

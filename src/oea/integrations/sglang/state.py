@@ -1,0 +1,88 @@
+"""Per-process state of the SGLang plugin, and the forward mode of the running forward pass.
+
+The phase hooks (``hooks.py``) push each forward's ``ForwardMode`` on a per-thread stack; the rewrite
+(``routing.py``) reads it through ``decode_active``. A decode CUDA graph captured under the stack bakes
+OEA in, prefill/extend graphs bake it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from oea.config import EnvSettings
+from oea.routing import LayerK0Schedule, OEAConfig, RouterSpec
+
+log = logging.getLogger("oea.integrations.sglang")
+
+
+class _PhaseStack(threading.local):
+    def __init__(self) -> None:
+        self.modes: list[Any] = []  # ForwardMode per entered forward; None = inherit the outer one
+        self.dynamic_bias = False
+
+
+PHASE = _PhaseStack()
+
+
+@dataclass
+class State:
+    settings: EnvSettings | None = None
+    installed_targets: tuple[str, ...] = ()
+    phase_hook_seen: bool = False
+    rewrite_hook_seen: bool = False
+    rewrites: int = 0
+    layer_schedule: LayerK0Schedule | None = None
+    layer_configs: dict[int, OEAConfig] = dataclasses.field(default_factory=dict)
+    # id(topk_config) -> (config, E, its RouterSpec or the reason it passes through)
+    specs: dict[int, tuple[Any, int, RouterSpec | str]] = dataclasses.field(default_factory=dict)
+    warned: set[str] = dataclasses.field(default_factory=set)
+
+
+STATE = State()  # one per process, never replaced (tests swap its fields)
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    if key not in STATE.warned:
+        STATE.warned.add(key)
+        log.warning("oea: %s", message)
+
+
+def current_forward_mode() -> Any:
+    """The innermost known ``ForwardMode`` of this thread, or ``None`` outside any forward."""
+    for mode in reversed(PHASE.modes):
+        if mode is not None:
+            return mode
+    return None
+
+
+def decode_active() -> bool:
+    """True when this thread is inside a DECODE forward (or TARGET_VERIFY with OEA_APPLY_TO_VERIFY=1)."""
+    mode = current_forward_mode()
+    if mode is None:
+        return False
+    if _call_predicate(mode, "is_decode"):
+        return True
+    settings = STATE.settings
+    return bool(settings and settings.apply_to_verify and _call_predicate(mode, "is_target_verify"))
+
+
+def _call_predicate(mode: Any, name: str) -> bool:
+    predicate = getattr(mode, name, None)
+    return bool(predicate()) if callable(predicate) else False
+
+
+@contextlib.contextmanager
+def forward_mode(mode: Any) -> Iterator[None]:
+    """Push ``mode`` (a ``ForwardMode``; ``None`` inherits) for the duration of the block."""
+    PHASE.modes.append(mode)
+    try:
+        yield
+    finally:
+        PHASE.modes.pop()
