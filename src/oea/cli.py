@@ -81,7 +81,10 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oea`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a bad flag (already reported on stderr in one line)
+        return done.code if isinstance(done.code, int) else 2
     handler = getattr(args, "handler", None)
     if handler is None:
         return _usage(parser)

@@ -125,7 +125,7 @@ def test_cli_json_and_errors(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert [(r["policy"], r["k0"], r["batch_size"]) for r in out] == [
         ("vanilla", None, 2), ("pruned", 3, 2), ("oea", 3, 2)]
-    assert main(["eval", "--k0", "0", "--batch-sizes", "2", "--positions", "2", "--json"]) == 2
+    assert main(["eval", "--k0", "9", "--batch-sizes", "2", "--positions", "2", "--json"]) == 2
     assert "1..8" in capsys.readouterr().err
     assert main(["eval", "--model", "/nonexistent/ckpt", "--json"]) == 2
     assert "/nonexistent/ckpt" in capsys.readouterr().err
