@@ -145,3 +145,50 @@ def test_graph_wrapper_keeps_appended_shared_expert_columns(monkeypatch: pytest.
     assert weights.shape == ids.shape == (6, K + 1), "the shared-expert column must survive the rewrite"
     assert torch.equal(ids[:, K:], shared_ids) and torch.equal(weights[:, K:], shared_w)
     torch.testing.assert_close(dense(weights[:, :K], ids[:, :K], N), _oea(logits, 2))
+
+
+def _stock_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+    return self.route_stock(router_logits)
+
+
+def test_graph_wrapper_keeps_stock_routing_below_min_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU routers (eager decode): fewer than OEA_MIN_BATCH real rows keep vLLM's routing, as on CPU."""
+    context = install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": "1", "OEA_MIN_BATCH": "3"}, router)
+    state.decode = True
+    wrapped = plugin_routing.graph_wrapper(_stock_routing)
+    logits = _logits(5, seed=8)
+    for rows in (1, 2):  # no padding, below min_batch
+        weights, ids = wrapped(router, None, logits[:rows], None)
+        _assert_stock((weights, ids), router.route_stock(logits[:rows]))
+    weights, ids = wrapped(router, None, logits[:3], None)  # exactly min_batch
+    torch.testing.assert_close(dense(weights, ids, N), _oea(logits[:3], 1))
+    context.is_padding = torch.tensor([False, False, True, True, True])  # 2 real rows + 3 padding rows
+    weights, ids = wrapped(router, None, logits, None)
+    torch.testing.assert_close(dense(weights, ids, N), dense(*router.route_stock(logits), N))
+    context.is_padding = torch.tensor([False, False, False, True, True])  # 3 real rows
+    weights, ids = wrapped(router, None, logits, None)
+    torch.testing.assert_close(dense(weights[:3], ids[:3], N), _oea(logits[:3], 1))
+
+
+@pytest.mark.slow
+def test_graph_wrapper_min_batch_and_decode_flag_inside_a_compiled_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traced (as for CUDA graphs): the real-row count and the decode flag are device values read at run time."""
+    torch._dynamo.reset()
+    context = install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": "1", "OEA_MIN_BATCH": "3"}, router)
+    wrapped = plugin_routing.graph_wrapper(_stock_routing)
+    compiled = torch.compile(lambda x: wrapped(router, None, x, None), fullgraph=True, dynamic=False)
+    logits = _logits(5, seed=9)
+    stock = dense(*router.route_stock(logits), N)
+    context.is_padding = torch.zeros(5, dtype=torch.bool)
+    for real, decode in ((5, True), (2, True), (5, False), (3, True)):
+        context.is_padding.copy_(torch.arange(5) >= real)  # in place, as vLLM's persistent buffer
+        state.decode_flag.fill_(decode)
+        weights, ids = compiled(logits)
+        if decode and real >= 3:
+            torch.testing.assert_close(dense(weights[:real], ids[:real], N), _oea(logits[:real], 1))
+        else:
+            torch.testing.assert_close(dense(weights, ids, N), stock)

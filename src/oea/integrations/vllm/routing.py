@@ -36,8 +36,8 @@ def _valid_rows(num_rows: int) -> torch.Tensor | None:
     if padding is None or padding.dim() != 1 or padding.shape[0] < num_rows:
         return None
     padding = padding[:num_rows]
-    if padding.device.type == "cpu" and not bool(padding.any()):
-        return None
+    if padding.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(padding.any()):
+        return None  # (a host read: never inside a traced graph)
     return ~padding
 
 
@@ -145,6 +145,16 @@ def cpu_wrapper(original: Any) -> Any:
     return _compute_routing
 
 
+def _min_batch_reached(valid: torch.Tensor | None, rows: int) -> bool | torch.Tensor:
+    """Whether the call has at least ``OEA_MIN_BATCH`` real rows: a Python bool without padding rows (the row
+    count is a static shape), else a 0-dim bool tensor (no host synchronisation)."""
+    cfg = STATE.settings.oea if STATE.settings is not None else None
+    min_batch = cfg.min_batch if cfg is not None else 0
+    if valid is None:
+        return rows >= min_batch
+    return valid.sum() >= min_batch
+
+
 def graph_wrapper(original: Any) -> Any:
     """Replacement for GPU-side routers: stock routing, then OEA in decode steps.
 
@@ -166,11 +176,18 @@ def graph_wrapper(original: Any) -> Any:
         if not tracing and not STATE.decode:
             return weights, ids
         k = spec.top_k
-        new_w, new_ids = oea_route_for(spec, router_logits, _valid_rows(router_logits.shape[0]), use_kernel=False)
+        valid = _valid_rows(router_logits.shape[0])
+        enough = _min_batch_reached(valid, router_logits.shape[0])
+        if enough is False:  # a static row count below OEA_MIN_BATCH: nothing to do in this shape
+            return weights, ids
+        new_w, new_ids = oea_route_for(spec, router_logits, valid, use_kernel=False)
         new_w, new_ids = new_w.to(weights.dtype), new_ids.to(ids.dtype)
+        select = None if enough is True else enough  # [] bool on the device: real rows counted at run time
         if tracing and STATE.decode_flag is not None:
-            new_w = torch.where(STATE.decode_flag, new_w, weights[:, :k])
-            new_ids = torch.where(STATE.decode_flag, new_ids, ids[:, :k])
+            select = STATE.decode_flag if select is None else STATE.decode_flag & select
+        if select is not None:
+            new_w = torch.where(select, new_w, weights[:, :k])
+            new_ids = torch.where(select, new_ids, ids[:, :k])
         if weights.shape[1] > k:
             new_w = torch.cat([new_w, weights[:, k:]], dim=1)
             new_ids = torch.cat([new_ids, ids[:, k:]], dim=1)
