@@ -1,12 +1,14 @@
-"""``oea doctor sglang``: version, environment, entry point, plugin system, every hook target with the
-parameters the hooks read, hooks live after SGLang's own ``load_plugins()``, and a self-test through the
-real ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context."""
+"""``oea doctor sglang``: version, environment, entry point, imports (a missing dependency named as one),
+plugin system, every hook target with the parameters the hooks read, hooks live after SGLang's own
+``load_plugins()``, and a self-test through the real ``select_experts`` on CPU tensors in a DECODE and an
+EXTEND forward context."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import inspect
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,15 +27,18 @@ from oea.routing import OEAConfig, RouterSpec, active_experts, route
 def doctor_checks() -> list[dict[str, Any]]:
     """``oea doctor`` checks for SGLang: ``[{"name", "ok", "detail"}]``.
 
-    Version, environment, entry point (registered, loads), plugin system, every hook target with
-    its signature, hooks live after SGLang's own ``load_plugins()``, and a self-test through the
-    real ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context.
+    Version, environment, entry point (registered, loads), imports (SGLang's MoE module with its
+    dependencies: a missing one is named as such), plugin system, every hook target with its
+    signature, hooks live after SGLang's own ``load_plugins()``, and a self-test through the real
+    ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context.
     """
     checks = [check_call("version", _check_version), check_call("environment", _check_environment),
               *entry_point_checks(targets.ENTRY_POINT_GROUP, targets.ENTRY_POINT_VALUE, register, "SGLang"),
-              check_call("plugin system", _check_plugin_system)]
-    for target, _, _ in hook_plan():
-        checks.append(check_call(f"hook target {target}", lambda target=target: _check_target(target)))
+              check_call("imports", _check_imports)]
+    if checks[-1]["ok"]:  # an SGLang that cannot be imported has no hook targets to look at
+        checks.append(check_call("plugin system", _check_plugin_system))
+        for target, _, _ in hook_plan():
+            checks.append(check_call(f"hook target {target}", lambda target=target: _check_target(target)))
     if all(c["ok"] for c in checks):
         checks.append(check_call("hooks live", _check_hooks_live))
         checks.append(check_call("self-test select_experts", _self_test))
@@ -64,10 +69,45 @@ def _check_environment() -> str:
             f"apply_to_verify={settings.apply_to_verify} ({source})")
 
 
-def _check_plugin_system() -> str:
-    from sglang.srt.plugins import load_plugins  # noqa: F401
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
+def missing_dependency(err: BaseException) -> str | None:
+    """The module a ``ModuleNotFoundError`` names when it lies outside SGLang (a dependency), else None."""
+    if isinstance(err, ModuleNotFoundError) and err.name and err.name.split(".")[0] != "sglang":
+        return err.name
+    return None
 
+
+def import_failure(err: BaseException, module: str) -> str:
+    """One line telling the user what ``err``, raised by importing ``module`` (SGLang's), means.
+
+    A module outside SGLang not found is a missing dependency; an SGLang module not found is a version
+    that lacks it; anything else is a broken installation. Only the second is a version problem.
+    """
+    dependency = missing_dependency(err)
+    if dependency is not None:
+        return (f"SGLang could not import: No module named {dependency!r} (a dependency of sglang, missing "
+                f"from this interpreter {sys.executable}: install it there; not an SGLang version problem); "
+                f"needed by {module}")
+    if isinstance(err, ModuleNotFoundError):
+        return f"{module}: {err}; supported SGLang versions: {targets.SUPPORTED_VERSIONS}"
+    return (f"SGLang could not import {module}: {type(err).__name__}: {' '.join(str(err).split())} (a broken "
+            "installation of sglang or of one of its dependencies in this interpreter, not an SGLang version "
+            "problem)")
+
+
+def _check_imports() -> str:
+    try:
+        importlib.import_module(targets.TOPK_MODULE)
+    except Exception as err:
+        raise RuntimeError(import_failure(err, targets.TOPK_MODULE)) from None
+    return f"{targets.TOPK_MODULE} and the dependencies it imports"
+
+
+def _check_plugin_system() -> str:
+    try:
+        from sglang.srt.plugins import load_plugins  # noqa: F401
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(import_failure(err, "sglang.srt.plugins.hook_registry")) from None
     return "sglang.srt.plugins.load_plugins and HookRegistry available"
 
 
@@ -75,6 +115,8 @@ def _check_target(target: str) -> str:
     try:
         obj = _import_target(target)
     except (AttributeError, ModuleNotFoundError) as err:
+        if missing_dependency(err) is not None:
+            raise RuntimeError(import_failure(err, target)) from None
         raise RuntimeError(f"missing target {target} ({err}); supported SGLang versions: "
                            f"{targets.SUPPORTED_VERSIONS}; "
                            "SGLang will serve unmodified (HookRegistry logs the failure)") from None
