@@ -13,10 +13,19 @@ variable                    alias                       meaning
 ``OEA_LAYER_K0_FILE``                                   k0 per layer, optionally per batch-size range
                                                         (``LayerK0Schedule`` JSON; ``layer_k0_policies``)
 ``OEA_METRICS_FILE``                                    where engine plugins write active-expert counts
+``OEA_TIMING``                                          ``1`` times each routing call (vLLM plugin)
+``OEA_METRICS_FLUSH_S``                                 seconds between metrics flushes (vLLM, 0.5)
 ==========================  ==========================  =============================================
 
 A malformed value raises ``ValueError`` naming the variable, at plugin start-up: serving with a
-silently wrong configuration is worse than not starting.
+silently wrong configuration is worse than not starting. A variable and its alias set to different
+values (``OEA_K0=2 SGLANG_OEA_K0=5``) is refused the same way, naming both: which one was meant cannot
+be known. Set to the same value, they are accepted.
+
+``check_environment()`` checks every ``OEA_*`` variable that can be checked without a model (each value,
+alias conflicts, the per-layer k0 file, the metrics file's folder, unknown names with the closest known
+one); ``oea doctor`` prints its findings and fails on a broken one. It parses with the same functions as
+``settings_from_env``, so the two agree.
 
 Reading ``OEA_LAYER_K0_FILE`` is one call for every engine: ``layer_k0_policies(settings, num_experts,
 top_k, num_layers)`` returns one routing config per MoE layer (``OEAConfig``, or ``AdaptiveK0Config``
@@ -27,6 +36,7 @@ when the file holds a per-batch-size schedule), built with ``OEA_MIN_BATCH``, ``
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +45,27 @@ from oea.routing.schedules import AdaptiveK0Config, LayerK0Schedule
 from oea.routing.spec import GROUP_FILLS, OEAConfig
 
 ALIASES: dict[str, str] = {"OEA_K0": "SGLANG_OEA_K0", "OEA_MIN_BATCH": "SGLANG_OEA_MIN_BATCH"}
+# Every variable OEA reads, with what it means (``check_environment`` names the closest one to a typo).
+VARIABLES: dict[str, str] = {
+    "OEA_K0": "baseline experts per token (integer >= 1); unset = OEA off",
+    "SGLANG_OEA_K0": "alias of OEA_K0 (the reference SGLang deployment's name)",
+    "OEA_MIN_BATCH": "vanilla routing below this many real rows (integer >= 0, default 2)",
+    "SGLANG_OEA_MIN_BATCH": "alias of OEA_MIN_BATCH",
+    "OEA_MAX_EXPERTS": "cap on experts per token after piggybacking (integer >= 1, default top_k)",
+    "OEA_GROUP_FILL": f"grouped routers: piggyback {' or '.join(GROUP_FILLS)} the token's groups (default in)",
+    "OEA_APPLY_TO_VERIFY": "1: also reroute speculative verify steps",
+    "OEA_LAYER_K0_FILE": "per-layer (and per-batch-size) k0 file written by oea calibrate",
+    "OEA_METRICS_FILE": "JSONL file the engine plugins append active-expert counts to",
+    "OEA_TIMING": "1: time each routing call in the vLLM worker",
+    "OEA_METRICS_FLUSH_S": "seconds between metrics-file flushes in the vLLM worker (default 0.5)",
+}
+# Variables of the project's scripts and tests; routing ignores them.
+TOOL_VARIABLES: dict[str, str] = {
+    "OEA_VLLM_VENV": "scripts/install_vllm_cpu.sh: where to build the vLLM environment",
+    "OEA_SGLANG_VENV": "scripts/install_sglang_cpu.sh: where to build the SGLang environment",
+    "OEA_TEST_INFLATED_DIR": "tests/engines/test_vllm_inflated.py: an existing inflated checkpoint",
+}
+FLAG_VALUES = "0/1/true/false/yes/no/on/off"
 
 
 @dataclass(frozen=True)
@@ -51,26 +82,25 @@ class EnvSettings:
     group_fill: str = "in"  # OEA_GROUP_FILL
 
 
-def _lookup(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
-    """(variable actually used, value); the primary name wins over its alias."""
-    for var in (name, ALIASES.get(name)):
-        if var and env.get(var, "").strip() != "":
-            return var, env[var].strip()
-    return None
-
-
-def _int(env: Mapping[str, str], name: str, minimum: int) -> tuple[str, int] | None:
-    found = _lookup(env, name)
-    if found is None:
-        return None
-    var, raw = found
+def _parse_int(var: str, raw: str, minimum: int) -> int:
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{var} must be an integer >= {minimum}, got {raw!r}") from None
     if value < minimum:
         raise ValueError(f"{var} must be an integer >= {minimum}, got {value}")
-    return var, value
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int) -> tuple[str, int] | None:
+    """(variable used, value) of ``name`` or its alias; both set to different values is an error."""
+    found = [(var, _parse_int(var, env[var].strip(), minimum))
+             for var in (name, ALIASES.get(name)) if var and env.get(var, "").strip() != ""]
+    if len(found) == 2 and found[0][1] != found[1][1]:
+        (var, value), (alias, other) = found
+        raise ValueError(f"{var}={value} and {alias}={other} disagree ({alias} is an alias of {var}): "
+                         "unset one, or set both to the same value")
+    return found[0] if found else None
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -79,7 +109,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"{name} must be one of 0/1/true/false/yes/no/on/off, got {env[name]!r}")
+    raise ValueError(f"{name} must be one of {FLAG_VALUES}, got {env[name]!r}")
 
 
 def _path(env: Mapping[str, str], name: str) -> str | None:
@@ -121,6 +151,26 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         max_experts=None if max_experts is None else max_experts[1],
         group_fill=group_fill,
     )
+
+
+def timing_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """``OEA_TIMING``: time each routing call (vLLM plugin). Raises ``ValueError`` naming it when malformed."""
+    return _flag(os.environ if env is None else env, "OEA_TIMING")
+
+
+def metrics_flush_interval(env: Mapping[str, str] | None = None) -> float:
+    """``OEA_METRICS_FLUSH_S``: seconds between metrics flushes (default 0.5); a finite number > 0."""
+    env = os.environ if env is None else env
+    raw = env.get("OEA_METRICS_FLUSH_S", "").strip()
+    if not raw:
+        return 0.5
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"OEA_METRICS_FLUSH_S must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 def read_layer_k0_file(path: str | os.PathLike[str]) -> LayerK0Schedule:
@@ -195,3 +245,137 @@ def check_k0_against(cfg: OEAConfig, top_k: int, variable: str = "OEA_K0") -> No
     """Raise ``ValueError`` naming ``variable`` when k0 does not fit a model's top_k."""
     if cfg.k0 > top_k:
         raise ValueError(f"{variable} must be in 1..{top_k} (the model's top_k), got {cfg.k0}")
+
+
+# ---------------------------------------------------------------- checking the environment (oea doctor)
+
+
+@dataclass(frozen=True)
+class EnvCheck:
+    """One finding of ``check_environment``: the variable(s) it is about, whether it is fine, and why."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_environment(env: Mapping[str, str] | None = None) -> list[EnvCheck]:
+    """Check every ``OEA_*`` / ``SGLANG_OEA_*`` variable that is set, as far as possible without a model.
+
+    Each value is parsed as ``settings_from_env`` parses it (so a variable this accepts is one the engines
+    accept), an alias set next to its variable must agree, the per-layer k0 file must be readable and
+    well-formed and fit ``OEA_K0`` / ``OEA_MAX_EXPERTS``, the metrics file's folder must exist, and an
+    unknown name is reported with the closest known one. Never raises.
+    """
+    env = os.environ if env is None else env
+    names = sorted(var for var in env if var.startswith(("OEA_", "SGLANG_OEA_")))
+    if not [var for var in names if env[var].strip()]:
+        return [EnvCheck("OEA_*", True, "none set: OEA is off and the engines are left alone")]
+    checks = [_check_variable(env, var) for var in names if var in VARIABLES and env[var].strip()]
+    checks += [EnvCheck(var, True, f"not read by OEA routing ({TOOL_VARIABLES[var]})")
+               for var in names if var in TOOL_VARIABLES]
+    checks += [_unknown_variable(var) for var in names if var not in VARIABLES and var not in TOOL_VARIABLES]
+    checks += _alias_checks(env, checks)
+    try:
+        settings = settings_from_env(env)
+    except ValueError as err:  # two variables that disagree, or a combination (OEA_MAX_EXPERTS < OEA_K0)
+        if all(c.ok for c in checks):
+            checks.append(EnvCheck("OEA_* together", False, str(err)))
+        return checks
+    if settings.oea is None and settings.layer_k0_file is None:
+        idle = [c.name for c in checks if c.ok and c.name in ("OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH",
+                                                              "OEA_MAX_EXPERTS", "OEA_GROUP_FILL",
+                                                              "OEA_APPLY_TO_VERIFY")]
+        if idle:
+            verb = "has" if len(idle) == 1 else "have"
+            checks.append(EnvCheck("OEA_K0", True, f"unset: OEA is off, so {', '.join(idle)} {verb} no effect"))
+    return checks
+
+
+def _check_variable(env: Mapping[str, str], var: str) -> EnvCheck:
+    raw = env[var].strip()
+    try:
+        if var in ("OEA_K0", "SGLANG_OEA_K0"):
+            detail = f"k0 = {_parse_int(var, raw, 1)}"
+        elif var in ("OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH"):
+            detail = f"min_batch = {_parse_int(var, raw, 0)}"
+        elif var == "OEA_MAX_EXPERTS":
+            detail = f"max_experts = {_parse_int(var, raw, 1)}"
+        elif var == "OEA_GROUP_FILL":
+            if raw not in GROUP_FILLS:
+                raise ValueError(f"OEA_GROUP_FILL must be one of {GROUP_FILLS}, got {raw!r}")
+            detail = f"group_fill = {raw}"
+        elif var in ("OEA_APPLY_TO_VERIFY", "OEA_TIMING"):
+            detail = f"{'on' if _flag(env, var) else 'off'}"
+        elif var == "OEA_METRICS_FLUSH_S":
+            detail = f"every {metrics_flush_interval(env):g} s"
+        elif var == "OEA_METRICS_FILE":
+            detail = _check_metrics_file(raw)
+        else:  # OEA_LAYER_K0_FILE
+            detail = _check_layer_k0_file(env, raw)
+    except (OSError, ValueError) as err:
+        return EnvCheck(var, False, str(err))
+    if var in ALIASES.values():
+        primary = next(name for name, alias in ALIASES.items() if alias == var)
+        detail += f" (alias of {primary})"
+    return EnvCheck(var, True, detail)
+
+
+def _alias_checks(env: Mapping[str, str], found: list[EnvCheck]) -> list[EnvCheck]:
+    """A variable and its alias both set (each well-formed): the same value is fine, two values are refused."""
+    checks = []
+    bad = {c.name for c in found if not c.ok}
+    for var, alias in ALIASES.items():
+        if env.get(var, "").strip() and env.get(alias, "").strip() and not {var, alias} & bad:
+            try:
+                _, value = _int(env, var, 0)  # type: ignore[misc]
+                checks.append(EnvCheck(f"{var} / {alias}", True, f"both {value}: one setting"))
+            except ValueError as err:
+                checks.append(EnvCheck(f"{var} / {alias}", False, str(err)))
+    return checks
+
+
+def _check_metrics_file(path: str) -> str:
+    import pathlib
+
+    target = pathlib.Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"OEA_METRICS_FILE={path!r} is a folder; name a file to append JSON lines to")
+    if not folder.is_dir():
+        raise ValueError(f"OEA_METRICS_FILE={path!r}: folder {str(folder)!r} does not exist")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ValueError(f"OEA_METRICS_FILE={path!r} is not writable")
+    return f"{path} ({'exists, lines are appended' if target.exists() else 'created on the first step'})"
+
+
+def _check_layer_k0_file(env: Mapping[str, str], path: str) -> str:
+    """Readable, well-formed, and fitting the other variables (``layer_k0_policies`` on the file's own model)."""
+    try:
+        schedule = read_layer_k0_file(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"OEA_LAYER_K0_FILE={path!r}: {err}") from None
+    try:
+        settings = settings_from_env(env)
+    except ValueError:
+        settings = None  # reported against the variable that is wrong
+    if settings is not None:
+        layer_k0_policies(settings, schedule.num_experts, schedule.top_k, schedule.num_layers)
+        if settings.oea is not None:
+            source = settings.source or {}
+            check_k0_against(settings.oea, schedule.top_k, "OEA_K0" if "OEA_K0" in source else ALIASES["OEA_K0"])
+    k0 = sorted(set(schedule.k0))
+    detail = (f"{path}: {schedule.num_layers} MoE layers, {schedule.num_experts} experts, top_k {schedule.top_k}, "
+              + (f"k0 {k0[0]}..{k0[-1]} per layer" if len(k0) > 1 else f"k0 {k0[0]} in every layer"))
+    if schedule.batch_k0 is not None:
+        bounds = ", ".join(str(b) for b, _ in schedule.batch_k0)
+        detail += f", batch_k0: k0 by batch size in {len(schedule.batch_k0)} ranges (max_batch {bounds})"
+    return detail + (f", model {schedule.model!r}" if schedule.model else "")
+
+
+def _unknown_variable(var: str) -> EnvCheck:
+    import difflib
+
+    close = difflib.get_close_matches(var, [*VARIABLES, *TOOL_VARIABLES], n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return EnvCheck(var, False, f"unknown variable: {hint}OEA reads {', '.join(VARIABLES)}")

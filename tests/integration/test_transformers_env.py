@@ -36,7 +36,7 @@ def test_unset_environment_leaves_the_model_alone(model: torch.nn.Module) -> Non
         ({"OEA_K0": "2"}, 2, 2),
         ({"SGLANG_OEA_K0": "3"}, 3, 2),
         ({"SGLANG_OEA_K0": "1", "SGLANG_OEA_MIN_BATCH": "5"}, 1, 5),
-        ({"OEA_K0": "2", "SGLANG_OEA_K0": "3", "OEA_MIN_BATCH": "0"}, 2, 0),  # primary name wins
+        ({"OEA_K0": "2", "SGLANG_OEA_K0": "2", "OEA_MIN_BATCH": "0"}, 2, 0),  # both names, one value
     ],
 )
 def test_env_and_aliases_configure_every_layer(model: torch.nn.Module, env: dict, k0: int, min_batch: int) -> None:
@@ -60,6 +60,7 @@ def test_env_and_aliases_configure_every_layer(model: torch.nn.Module, env: dict
         ({"SGLANG_OEA_K0": "2", "SGLANG_OEA_MIN_BATCH": "-1"}, "SGLANG_OEA_MIN_BATCH"),
         ({"OEA_K0": "2", "OEA_MAX_EXPERTS": "6"}, "OEA_MAX_EXPERTS"),
         ({"OEA_K0": "2", "OEA_GROUP_FILL": "all"}, "OEA_GROUP_FILL"),
+        ({"OEA_K0": "2", "SGLANG_OEA_K0": "3"}, "OEA_K0=2 and SGLANG_OEA_K0=3 disagree"),
     ],
 )
 def test_bad_environment_raises_naming_the_variable(model: torch.nn.Module, env: dict, variable: str) -> None:
@@ -133,3 +134,50 @@ def test_doctor_reports_a_bad_environment(monkeypatch: pytest.MonkeyPatch) -> No
     env_check = doctor_checks()[-1]
     assert env_check["name"] == "environment" and env_check["ok"] is False
     assert "OEA_K0" in env_check["detail"]
+
+
+def test_doctor_fails_on_a_layer_k0_file_that_maybe_attach_cannot_use(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path) -> None:
+    """Set without OEA_K0, OEA_LAYER_K0_FILE makes maybe_attach attach (or raise): the doctor may not say
+    that models are left alone."""
+    monkeypatch.delenv("OEA_K0", raising=False)
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "absent.json"))
+    env_check = doctor_checks()[-1]
+    assert env_check["name"] == "environment" and env_check["ok"] is False
+    assert "OEA_LAYER_K0_FILE=" in env_check["detail"] and "not found" in env_check["detail"]
+    assert "leaves models alone" not in env_check["detail"]
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", _schedule_file(tmp_path))
+    env_check = doctor_checks()[-1]
+    assert env_check["ok"] and "attaches each layer's k0 from OEA_LAYER_K0_FILE" in env_check["detail"]
+
+
+def _environments(tmp_path) -> list[dict[str, str]]:
+    good = _schedule_file(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_experts": 16, "top_k": 4, "num_layers": 2, "k0": ["one", 3]}')
+    return [{}, {"OEA_MIN_BATCH": "3"}, {"OEA_K0": "2"}, {"OEA_K0": "x"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "3"},
+            {"OEA_LAYER_K0_FILE": good}, {"OEA_LAYER_K0_FILE": good, "OEA_K0": "4", "OEA_MIN_BATCH": "1"},
+            {"OEA_LAYER_K0_FILE": good, "OEA_K0": "5"}, {"OEA_LAYER_K0_FILE": str(bad)},
+            {"OEA_LAYER_K0_FILE": str(tmp_path / "absent.json")}, {"OEA_K0": "2", "OEA_GROUP_FILL": "all"}]
+
+
+def test_doctor_and_maybe_attach_agree(model: torch.nn.Module, tmp_path) -> None:
+    """For a model the file fits: the doctor's environment check fails exactly when maybe_attach raises,
+    and says "leaves models alone" exactly when maybe_attach returns None."""
+    from oea.integrations.transformers.attach import describe_environment
+
+    for env in _environments(tmp_path):
+        try:
+            said: str | None = describe_environment(env)
+        except ValueError:
+            said = None
+        try:
+            handle = maybe_attach(model, env=env)
+        except ValueError:
+            assert said is None, f"{env}: maybe_attach raises, the doctor says {said!r}"
+            continue
+        assert said is not None, f"{env}: the doctor fails, maybe_attach works"
+        assert (handle is None) == ("leaves models alone" in said), (env, said)
+        if handle is not None:
+            handle.remove()
+    _assert_clean(model)

@@ -37,9 +37,9 @@ def test_sglang_aliases_and_primary_precedence() -> None:
     settings = settings_from_env({"SGLANG_OEA_K0": "4", "SGLANG_OEA_MIN_BATCH": "8"})
     assert settings.oea == OEAConfig(k0=4, min_batch=8)
     assert settings.source == {"SGLANG_OEA_K0": "4", "SGLANG_OEA_MIN_BATCH": "8"}
-    both = settings_from_env({"OEA_K0": "1", "SGLANG_OEA_K0": "4", "OEA_MIN_BATCH": "3", "SGLANG_OEA_MIN_BATCH": "8"})
-    assert both.oea == OEAConfig(k0=1, min_batch=3)
-    assert both.source == {"OEA_K0": "1", "OEA_MIN_BATCH": "3"}
+    same = settings_from_env({"OEA_K0": "4", "SGLANG_OEA_K0": " 4", "OEA_MIN_BATCH": "3", "SGLANG_OEA_MIN_BATCH": "3"})
+    assert same.oea == OEAConfig(k0=4, min_batch=3)  # both names set to one value: one setting
+    assert same.source == {"OEA_K0": "4", "OEA_MIN_BATCH": "3"}
     blank_primary = settings_from_env({"OEA_K0": "  ", "SGLANG_OEA_K0": "2"})
     assert blank_primary.oea == OEAConfig(k0=2) and blank_primary.source == {"SGLANG_OEA_K0": "2"}
 
@@ -61,6 +61,16 @@ def test_sglang_aliases_and_primary_precedence() -> None:
 )
 def test_malformed_values_name_the_variable(env: dict[str, str], variable: str) -> None:
     with pytest.raises(ValueError, match=variable):
+        settings_from_env(env)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OEA_K0": "2", "SGLANG_OEA_K0": "5"}, "OEA_K0=2 and SGLANG_OEA_K0=5 disagree"),
+    ({"OEA_K0": "2", "OEA_MIN_BATCH": "1", "SGLANG_OEA_MIN_BATCH": "4"}, "OEA_MIN_BATCH=1 and SGLANG_OEA_MIN_BATCH=4"),
+    ({"OEA_K0": "2", "SGLANG_OEA_K0": "two"}, "SGLANG_OEA_K0 must be an integer"),  # a bad alias is not ignored
+])
+def test_a_variable_and_its_alias_with_different_values_are_refused(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         settings_from_env(env)
 
 

@@ -21,6 +21,14 @@ from oea.cli import main
 from oea.integrations import doctor
 
 
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No OEA_* variable from the shell running the tests."""
+    for name in list(os.environ):
+        if name.startswith(("OEA_", "SGLANG_OEA_")):
+            monkeypatch.delenv(name)
+
+
 def _adapter(monkeypatch: pytest.MonkeyPatch, engine: str, **functions: Any) -> None:
     module = types.ModuleType(f"oea.integrations.{engine}")
     for name, fn in functions.items():
@@ -110,6 +118,154 @@ def test_cli_text_names_the_failed_check(monkeypatch: pytest.MonkeyPatch, capsys
     assert "[FAIL] hooks live" in out and "oea doctor: sglang: hooks live: run pip install -e ." in out
 
 
+# ---------------------------------------------------------------- the OEA_* environment
+
+
+def _environment(monkeypatch: pytest.MonkeyPatch, **env: str) -> dict[str, dict[str, Any]]:
+    """Set ``env`` and return the doctor's environment checks by name (no engine installed)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _installed(monkeypatch)
+    report, code = doctor.run_doctor("all")
+    assert code == (0 if report["environment"]["ok"] else 1) and report["ok"] is report["environment"]["ok"]
+    return {c["name"]: c for c in report["environment"]["checks"]}
+
+
+def _layer_file(tmp_path: Path, text: str | None = None, **fields: Any) -> str:
+    from oea.config import write_layer_k0_file
+    from oea.routing import LayerK0Schedule
+
+    path = tmp_path / "k0.json"
+    if text is not None:
+        path.write_text(text)
+    else:
+        write_layer_k0_file(LayerK0Schedule(**{"num_experts": 64, "top_k": 8, "num_layers": 2, "k0": (2, 3),
+                                               **fields}), path)
+    return str(path)
+
+
+def test_nothing_set_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch)
+    assert list(checks) == ["OEA_*"] and checks["OEA_*"]["ok"] and "none set" in checks["OEA_*"]["detail"]
+
+
+def test_missing_layer_k0_file_fails_the_doctor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The reported case: OEA_LAYER_K0_FILE pointing nowhere used to pass (exit 0) while maybe_attach raised."""
+    _installed(monkeypatch)
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "absent.json"))
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "environment (OEA_* variables): FAILED" in out
+    assert f"oea doctor: environment: OEA_LAYER_K0_FILE: OEA_LAYER_K0_FILE='{tmp_path / 'absent.json'}'" in out
+    assert "per-layer k0 file not found" in out
+
+
+@pytest.mark.parametrize(("text", "fields", "message"), [
+    ("{not json", {}, "not valid JSON"),
+    ('{"num_experts": 64, "top_k": 8, "num_layers": 2, "k0": ["two", 3]}', {}, "k0 must hold integers"),
+    (None, {"k0": (2, 9)}, None),  # refused when written: k0 above top_k
+])
+def test_malformed_layer_k0_file_names_the_field(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str | None,
+                                                 fields: dict[str, Any], message: str | None) -> None:
+    if message is None:
+        with pytest.raises(ValueError, match=r"k0 values must be in 1\.\.top_k=8"):
+            _layer_file(tmp_path, **fields)
+        text, message = ('{"num_experts": 64, "top_k": 8, "num_layers": 2, "k0": [2, 9]}',
+                         r"k0 values must be in 1..top_k=8")
+    checks = _environment(monkeypatch, OEA_LAYER_K0_FILE=_layer_file(tmp_path, text))
+    assert not checks["OEA_LAYER_K0_FILE"]["ok"] and message in checks["OEA_LAYER_K0_FILE"]["detail"]
+
+
+def test_layer_k0_file_that_reads_well_is_described(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = _layer_file(tmp_path, batch_k0=((4, (8, 8)), (64, (2, 3))), model="tiny")
+    checks = _environment(monkeypatch, OEA_LAYER_K0_FILE=path, OEA_K0="3")
+    detail = checks["OEA_LAYER_K0_FILE"]["detail"]
+    assert checks["OEA_LAYER_K0_FILE"]["ok"], detail
+    assert "2 MoE layers, 64 experts, top_k 8, k0 2..3 per layer" in detail and "2 ranges (max_batch 4, 64)" in detail
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OEA_K0": "9"}, "OEA_K0 must be in 1..8 (the model's top_k), got 9"),  # no model fits both
+    ({"SGLANG_OEA_K0": "9"}, "SGLANG_OEA_K0 must be in 1..8"),
+    ({"OEA_K0": "2", "OEA_MAX_EXPERTS": "2"}, "OEA_MAX_EXPERTS=2: layer 1"),  # below layer 1's k0 = 3
+])
+def test_layer_k0_file_must_fit_the_other_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                    env: dict[str, str], message: str) -> None:
+    checks = _environment(monkeypatch, OEA_LAYER_K0_FILE=_layer_file(tmp_path), **env)
+    assert not checks["OEA_LAYER_K0_FILE"]["ok"] and message in checks["OEA_LAYER_K0_FILE"]["detail"]
+
+
+def test_alias_conflict_names_both_and_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch, OEA_K0="2", SGLANG_OEA_K0="5")
+    conflict = checks["OEA_K0 / SGLANG_OEA_K0"]
+    assert not conflict["ok"] and "OEA_K0=2 and SGLANG_OEA_K0=5 disagree" in conflict["detail"]
+    agreed = _environment(monkeypatch, SGLANG_OEA_K0="2")["OEA_K0 / SGLANG_OEA_K0"]
+    assert agreed["ok"] and agreed["detail"] == "both 2: one setting"
+
+
+def test_every_malformed_number_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch, OEA_K0="two", OEA_MIN_BATCH="-1", OEA_MAX_EXPERTS="1.5",
+                          OEA_METRICS_FLUSH_S="nan", OEA_TIMING="sometimes", OEA_GROUP_FILL="all")
+    failed = {name for name, c in checks.items() if not c["ok"]}
+    assert failed == {"OEA_K0", "OEA_MIN_BATCH", "OEA_MAX_EXPERTS", "OEA_METRICS_FLUSH_S", "OEA_TIMING",
+                      "OEA_GROUP_FILL"}
+    assert checks["OEA_METRICS_FLUSH_S"]["detail"] == "OEA_METRICS_FLUSH_S must be a number of seconds > 0, got 'nan'"
+    assert checks["OEA_K0"]["detail"] == "OEA_K0 must be an integer >= 1, got 'two'"
+
+
+def test_values_valid_alone_but_not_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch, OEA_K0="4", OEA_MAX_EXPERTS="2")
+    assert checks["OEA_K0"]["ok"] and checks["OEA_MAX_EXPERTS"]["ok"]
+    assert not checks["OEA_* together"]["ok"] and "max_experts must be >= k0" in checks["OEA_* together"]["detail"]
+
+
+@pytest.mark.parametrize(("name", "suggestion"), [("OEA_K", "OEA_K0"), ("OEA_MINBATCH", "OEA_MIN_BATCH"),
+                                                  ("SGLANG_OEA_KO", "SGLANG_OEA_K0"), ("OEA_FROBNICATE", None)])
+def test_unknown_names_are_refused_with_the_closest_known_one(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                              suggestion: str | None) -> None:
+    detail = _environment(monkeypatch, **{name: "2"})[name]
+    assert detail["ok"] is False and "unknown variable" in detail["detail"]
+    assert ("did you mean" not in detail["detail"]) if suggestion is None else \
+        f"did you mean {suggestion}?" in detail["detail"]
+    assert "OEA_LAYER_K0_FILE" in detail["detail"]  # the known names are listed
+
+
+def test_tool_variables_are_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch, OEA_VLLM_VENV="/opt/venv")
+    assert checks["OEA_VLLM_VENV"]["ok"] and "install_vllm_cpu.sh" in checks["OEA_VLLM_VENV"]["detail"]
+
+
+def test_metrics_file_needs_an_existing_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    checks = _environment(monkeypatch, OEA_METRICS_FILE=str(tmp_path / "missing" / "m.jsonl"))
+    assert not checks["OEA_METRICS_FILE"]["ok"] and "does not exist" in checks["OEA_METRICS_FILE"]["detail"]
+    checks = _environment(monkeypatch, OEA_METRICS_FILE=str(tmp_path / "m.jsonl"))
+    assert checks["OEA_METRICS_FILE"]["ok"], checks
+
+
+def test_settings_without_oea_k0_are_said_to_have_no_effect(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch, OEA_MIN_BATCH="4")
+    assert checks["OEA_MIN_BATCH"]["ok"] and "OEA_MIN_BATCH has no effect" in checks["OEA_K0"]["detail"]
+
+
+def test_the_doctor_and_the_engines_read_the_environment_alike(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Every environment the doctor passes, settings_from_env (what every engine reads) accepts, and the reverse
+    for the variables it parses."""
+    from oea.config import check_environment, settings_from_env
+
+    good = _layer_file(tmp_path)
+    for env in ({"OEA_K0": "2"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "2"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "3"},
+                {"SGLANG_OEA_MIN_BATCH": "x"}, {"OEA_K0": "3", "OEA_MAX_EXPERTS": "2"}, {"OEA_APPLY_TO_VERIFY": "2"},
+                {"OEA_GROUP_FILL": "cross"}, {"OEA_LAYER_K0_FILE": good, "OEA_K0": "1"}):
+        try:
+            settings_from_env(env)
+            parsed = True
+        except ValueError:
+            parsed = False
+        assert all(c.ok for c in check_environment(env)) is parsed, env
+
+
 def test_cli_rejects_unknown_engine(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "tensorrt"]) == 2  # argparse's error, returned as the exit status
     assert "invalid choice" in capsys.readouterr().err
@@ -124,6 +280,21 @@ def test_sglang_environment_check_names_the_variable(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("OEA_K0", "2")
     passed = doctor.check_call("environment", sglang._check_environment)
     assert passed["ok"] and "k0=2" in passed["detail"]
+
+
+def test_sglang_environment_check_follows_the_layer_k0_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The plugin reads OEA_LAYER_K0_FILE only with OEA_K0 set, and refuses a file it cannot read at start-up."""
+    from oea.integrations.sglang import doctor as sglang
+
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", _layer_file(tmp_path))
+    ignored = doctor.check_call("environment", sglang._check_environment)
+    assert not ignored["ok"] and "is set but OEA_K0 is not" in ignored["detail"]
+    monkeypatch.setenv("OEA_K0", "2")
+    used = doctor.check_call("environment", sglang._check_environment)
+    assert used["ok"] and "k0 per layer from" in used["detail"] and "2 MoE layers" in used["detail"]
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "absent.json"))
+    broken = doctor.check_call("environment", sglang._check_environment)
+    assert not broken["ok"] and "per-layer k0 file not found" in broken["detail"]
 
 
 FAKE_SGLANG = {

@@ -13,6 +13,7 @@ import oea.integrations.vllm as plugin
 import oea.integrations.vllm.doctor as plugin_doctor
 import oea.integrations.vllm.metrics as plugin_metrics
 import oea.integrations.vllm.plugin as plugin_hooks
+from oea.config import metrics_flush_interval
 from oea.integrations.vllm.state import STATE, State, log
 
 torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def test_bad_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, var
     monkeypatch.setenv(var, value)
     swap_state(monkeypatch, State())
     with pytest.raises(ValueError, match=var):
-        plugin.register() if var != "OEA_METRICS_FLUSH_S" else plugin_hooks._flush_interval()
+        plugin.register() if var != "OEA_METRICS_FLUSH_S" else metrics_flush_interval()  # read at model load
 
 
 class _MoELayer(torch.nn.Module):
@@ -130,6 +131,20 @@ def test_doctor_without_vllm_reports_instead_of_raising(monkeypatch: pytest.Monk
     assert not by_name["vllm version"]["ok"] and "not installed" in by_name["vllm version"]["detail"]
     assert not by_name["environment"]["ok"] and "OEA_K0" in by_name["environment"]["detail"]
     assert by_name["entry point registered"]["ok"], by_name["entry point registered"]["detail"]
+
+
+def test_doctor_fails_when_the_plugin_would_ignore_a_variable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING", "OEA_LAYER_K0_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OEA_K0", "2")
+    assert plugin_doctor._check_environment() == "OEA on: k0=2 min_batch=2"
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "k0.json"))
+    env = {c["name"]: c for c in plugin.doctor_checks()}["environment"]
+    assert not env["ok"] and "the vLLM plugin does not read it" in env["detail"]
+    monkeypatch.delenv("OEA_LAYER_K0_FILE")
+    monkeypatch.delenv("OEA_K0")
+    monkeypatch.setenv("OEA_TIMING", "1")
+    assert plugin_doctor._check_environment() == "observe: stock routing, measured, timing"
 
 
 def test_layer_k0_file_is_not_silently_ignored(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,

@@ -9,10 +9,12 @@ Each engine adapter ``oea.integrations.<engine>`` provides two functions, import
 
 The report (``--json``)::
 
-    {"ok": bool, "engines": [{"name", "version", "installed", "ok", "checks": [{"name", "ok", "detail"}]}]}
+    {"ok": bool, "environment": {"ok": bool, "checks": [{"name", "ok", "detail"}]},
+     "engines": [{"name", "version", "installed", "ok", "checks": [{"name", "ok", "detail"}]}]}
 
 An engine that is not installed is reported as such: for ``all`` that is not a failure, for a
-named engine it is (with the install hint).
+named engine it is (with the install hint). ``environment`` checks every ``OEA_*`` variable that can be
+checked without a model (``oea.config.check_environment``); a broken one fails the report.
 """
 
 from __future__ import annotations
@@ -90,19 +92,30 @@ def _validated(found: Any) -> list[Check]:
     return out
 
 
+def environment_report() -> dict[str, Any]:
+    """Every ``OEA_*`` variable of this process checked without a model (``oea.config.check_environment``):
+    ``{"ok", "checks": [{"name", "ok", "detail"}]}``."""
+    from oea.config import check_environment
+
+    checks = [check(found.name, found.ok, found.detail) for found in check_environment()]
+    return {"ok": all(c["ok"] for c in checks), "checks": checks}
+
+
 def run_doctor(engine: str = "all") -> tuple[dict[str, Any], int]:
-    """Build the report for ``engine`` (one of ``ENGINES`` or ``"all"``) and its exit code (0 = all good)."""
+    """Build the report for ``engine`` (one of ``ENGINES`` or ``"all"``) and its exit code (0 = all good).
+
+    The ``OEA_*`` environment is always checked; a broken variable fails the report whatever the engine.
+    """
     names = ENGINES if engine == "all" else (engine,)
     reports = [engine_report(name) for name in names]
+    environment = environment_report()
     counted = [r for r in reports if r["installed"] or engine != "all"]
-    ok = all(r["ok"] for r in counted)
-    if engine == "all" and not counted:
-        ok = True
-    return {"ok": ok, "engines": reports}, 0 if ok else 1
+    ok = all(r["ok"] for r in counted) and environment["ok"]
+    return {"ok": ok, "environment": environment, "engines": reports}, 0 if ok else 1
 
 
 def format_text(report: dict[str, Any]) -> str:
-    """Human-readable report: one block per engine, failures first-class."""
+    """Human-readable report: one block per engine, then the environment; failures first-class."""
     lines: list[str] = []
     for engine in report["engines"]:
         if not engine["installed"]:
@@ -110,14 +123,22 @@ def format_text(report: dict[str, Any]) -> str:
             continue
         status = "OK" if engine["ok"] else "FAILED"
         lines.append(f"{engine['name']} {engine['version'] or '(version unknown)'}: {status}")
-        for item in engine["checks"]:
-            lines.append(f"  [{'ok' if item['ok'] else 'FAIL'}] {item['name']}: {item['detail']}")
-    failed = [e for e in report["engines"] if e["installed"] and not e["ok"]]
+        lines += _check_lines(engine["checks"])
+    environment = report.get("environment")
+    if environment is not None:
+        lines.append(f"environment (OEA_* variables): {'OK' if environment['ok'] else 'FAILED'}")
+        lines += _check_lines(environment["checks"])
+    failed = [(e["name"], next(c for c in e["checks"] if not c["ok"]))
+              for e in report["engines"] if e["installed"] and not e["ok"]]
+    if environment is not None:
+        failed += [("environment", c) for c in environment["checks"] if not c["ok"]]
     if failed:
         lines.append("")
-        for engine in failed:
-            first = next(c for c in engine["checks"] if not c["ok"])
-            lines.append(f"oea doctor: {engine['name']}: {first['name']}: {first['detail']}")
+        lines += [f"oea doctor: {where}: {first['name']}: {first['detail']}" for where, first in failed]
     elif report["ok"]:
         lines.append("oea doctor: all installed engines OK")
     return "\n".join(lines)
+
+
+def _check_lines(checks: list[Check]) -> list[str]:
+    return [f"  [{'ok' if item['ok'] else 'FAIL'}] {item['name']}: {item['detail']}" for item in checks]

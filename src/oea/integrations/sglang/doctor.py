@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import oea.integrations.sglang.targets as targets
-from oea.config import EnvSettings, settings_from_env
+from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, same_routing, version_tuple
 from oea.integrations.sglang.hooks import hook_plan, hooks_status
 from oea.integrations.sglang.plugin import install, register
@@ -60,13 +60,24 @@ def _check_version() -> str:
 
 
 def _check_environment() -> str:
-    settings = settings_from_env()
+    """What ``register`` does with this environment (it reads it with the same functions)."""
+    try:
+        settings = settings_from_env()
+        schedule = layer_k0_schedule(settings)
+    except ValueError as err:  # the message names the variable
+        raise RuntimeError(str(err)) from None
     if settings.oea is None:
+        if schedule is not None:
+            raise RuntimeError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file} is set but OEA_K0 is not: the plugin "
+                               "installs nothing without OEA_K0 (the k0 of layers the file does not list); set it")
         return "OEA off: OEA_K0 (or SGLANG_OEA_K0) unset; SGLang routing stays unmodified"
     source = ", ".join(f"{k}={v}" for k, v in (settings.source or {}).items())
+    layers = "" if schedule is None else (
+        f"; k0 per layer from {settings.layer_k0_file} ({schedule.num_layers} MoE layers, {schedule.num_experts} "
+        f"experts, top_k {schedule.top_k}" + ("; its batch_k0 ranges are not read)" if schedule.batch_k0 else ")"))
     return (f"OEA on: k0={settings.oea.k0}, min_batch={settings.oea.min_batch}, "
             f"max_experts={settings.oea.max_experts or 'top_k'}, group_fill={settings.oea.group_fill}, "
-            f"apply_to_verify={settings.apply_to_verify} ({source})")
+            f"apply_to_verify={settings.apply_to_verify} ({source}){layers}")
 
 
 def missing_dependency(err: BaseException) -> str | None:

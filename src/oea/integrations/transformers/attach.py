@@ -7,7 +7,14 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from oea.config import ALIASES, check_k0_against, read_layer_k0_file, settings_from_env
+from oea.config import (
+    ALIASES,
+    EnvSettings,
+    check_k0_against,
+    layer_k0_schedule,
+    read_layer_k0_file,
+    settings_from_env,
+)
 from oea.integrations.transformers.handle import ATTACHED, OEAHandle
 from oea.integrations.transformers.routers import MoELayer, find_moe_layers
 from oea.routing import OEAConfig, RouterSpec
@@ -91,7 +98,7 @@ def maybe_attach(model: nn.Module, env: Mapping[str, str] | None = None) -> OEAH
     """
     env = os.environ if env is None else env
     settings = settings_from_env(env)
-    if settings.oea is None and settings.layer_k0_file is None:
+    if not _attaches(settings):
         return None
     layers = find_moe_layers(model)
     top_k = min(layer.spec.top_k for layer in layers)
@@ -133,3 +140,30 @@ def _layer_configs_from_file(
         except ValueError as err:
             raise ValueError(f"{where} with OEA_MAX_EXPERTS={max_experts}: layer {layer.index}: {err}") from None
     return configs
+
+
+def _attaches(settings: EnvSettings) -> bool:
+    """Whether ``maybe_attach`` attaches with these settings (it returns None otherwise)."""
+    return settings.oea is not None or settings.layer_k0_file is not None
+
+
+def describe_environment(env: Mapping[str, str] | None = None) -> str:
+    """What ``maybe_attach`` would do with this environment, checked as far as it can be without a model.
+
+    Raises ``ValueError`` naming the variable where ``maybe_attach`` would raise for any model: a malformed
+    variable, an unreadable or malformed ``OEA_LAYER_K0_FILE``, ``OEA_K0`` above the file's top_k.
+    """
+    settings = settings_from_env(os.environ if env is None else env)
+    if not _attaches(settings):
+        return "OEA_K0 and OEA_LAYER_K0_FILE unset: maybe_attach() leaves models alone"
+    schedule = layer_k0_schedule(settings)
+    if schedule is None:
+        return f"maybe_attach() attaches {settings.oea} to every MoE layer"
+    if settings.oea is not None:
+        source = settings.source or {}
+        check_k0_against(settings.oea, schedule.top_k, "OEA_K0" if "OEA_K0" in source else ALIASES["OEA_K0"])
+    min_batch = schedule.min_batch if settings.min_batch is None else settings.min_batch
+    ignored = "; its batch_k0 ranges are not read (each layer's k0 at every batch size)" if schedule.batch_k0 else ""
+    return (f"maybe_attach() attaches each layer's k0 from OEA_LAYER_K0_FILE={settings.layer_k0_file} "
+            f"(models with {schedule.num_layers} MoE layers, {schedule.num_experts} experts, top_k {schedule.top_k}; "
+            f"min_batch {min_batch}){ignored}")

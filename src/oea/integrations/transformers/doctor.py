@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from oea.config import settings_from_env
 from oea.integrations.doctor_common import check_call
-from oea.integrations.transformers.attach import attach
+from oea.integrations.transformers.attach import attach, describe_environment
 from oea.routing import OEAConfig
 
 # Families the doctor and the docs name: (model_type, module, router class).
@@ -64,10 +63,10 @@ def _self_test() -> str:
 
 
 def _env_detail() -> str:
-    settings = settings_from_env()
-    if settings.oea is None:
-        return "OEA_K0 unset: maybe_attach() leaves models alone"
-    return f"maybe_attach() would use {settings.oea} (from {settings.source})"
+    try:
+        return describe_environment()
+    except ValueError as err:  # the message names the variable
+        raise RuntimeError(str(err)) from None
 
 
 def _router_class_check(model_type: str, module_name: str, cls: str) -> dict[str, Any]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from oea.config import settings_from_env
-from oea.integrations.doctor_common import check, entry_point_checks, installed_version, same_routing
-from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec, timing_from_env
+from oea.config import metrics_flush_interval, settings_from_env, timing_from_env
+from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version, same_routing
+from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
 from oea.integrations.vllm.state import STATE
 from oea.routing import OEAConfig, active_experts, route
 
@@ -35,19 +35,33 @@ def doctor_checks() -> list[dict[str, Any]]:
     checks.append(check("vllm version", supported, f"{version or 'not installed'} (supported: {wanted})"))
     checks += entry_point_checks(ENTRY_POINT_GROUP, ENTRY_POINT_VALUE, register, "vLLM",
                                  loads_name="entry point loadable")
-    try:
-        settings = settings_from_env()
-        timing_from_env()
-        desc = "OEA off" if settings.oea is None else f"k0={settings.oea.k0} min_batch={settings.oea.min_batch}"
-        checks.append(check("environment", True, desc))
-    except ValueError as err:
-        checks.append(check("environment", False, str(err)))
+    checks.append(check_call("environment", _check_environment))
     if version is None:
         checks.append(check("hook targets", False, "vLLM is not installed in this interpreter"))
         return checks
     checks.extend(_hook_target_checks())
     checks.append(_self_test())
     return checks
+
+
+def _check_environment() -> str:
+    """What the plugin does with this environment (``register`` and the worker read it the same way)."""
+    try:
+        settings = settings_from_env()
+        timing = timing_from_env()
+        metrics_flush_interval()
+    except ValueError as err:  # the message names the variable
+        raise RuntimeError(str(err)) from None
+    if settings.layer_k0_file:
+        raise RuntimeError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file} is set, but the vLLM plugin does not read "
+                           "it: every layer would use OEA_K0 (oea.attach and the SGLang plugin read it); unset it "
+                           "for vLLM")
+    if settings.oea is not None:
+        mode = f"OEA on: k0={settings.oea.k0} min_batch={settings.oea.min_batch}"
+    else:
+        mode = "observe: stock routing, measured" if settings.metrics_file or timing else "OEA off"
+    extras = [f"metrics to {settings.metrics_file}" if settings.metrics_file else "", "timing" if timing else ""]
+    return ", ".join([mode, *filter(None, extras)])
 
 
 def _hook_target_checks() -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from oea.config import check_k0_against, settings_from_env
+from oea.config import check_k0_against, metrics_flush_interval, settings_from_env, timing_from_env
 from oea.integrations.vllm.metrics import MetricsWriter
 from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, fast_path_ok, graph_wrapper
 from oea.integrations.vllm.state import STATE, log, warn_once
@@ -61,28 +61,6 @@ def register() -> None:
     what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
     log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),
              ", ".join(wrapped))
-
-
-def timing_from_env() -> bool:
-    raw = os.environ.get("OEA_TIMING", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"OEA_TIMING must be one of 0/1/true/false/yes/no/on/off, got {os.environ['OEA_TIMING']!r}")
-
-
-def _flush_interval() -> float:
-    raw = os.environ.get("OEA_METRICS_FLUSH_S", "").strip()
-    if not raw:
-        return 0.5
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"OEA_METRICS_FLUSH_S must be a number of seconds > 0, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"OEA_METRICS_FLUSH_S must be a number of seconds > 0, got {raw!r}")
-    return value
 
 
 def _process_title() -> str:
@@ -232,7 +210,7 @@ def _after_load(model: torch.nn.Module) -> None:
     STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
     _warm_up_kernels(device)
     if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
-        STATE.metrics = MetricsWriter(STATE.settings.metrics_file, _flush_interval())
+        STATE.metrics = MetricsWriter(STATE.settings.metrics_file, metrics_flush_interval())
     supported = sum(s is not None for s in STATE.specs)
     log.info("oea: %d MoE routers in the model, %d rewritable (mode=%s, pid=%d)", found, supported,
              STATE.mode, os.getpid())
