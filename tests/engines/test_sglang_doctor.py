@@ -12,7 +12,9 @@ from sglang_venv import run_oea, run_raw
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-CHECKS_BEFORE_SELF_TEST = ("version", "environment", "entry point registered", "entry point loads", "plugin system")
+CHECKS_BEFORE_SELF_TEST = (
+    "version", "environment", "entry point registered", "entry point loads", "imports", "plugin system",
+)
 
 
 def _sglang(report: dict[str, Any]) -> dict[str, Any]:
