@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import oea  # noqa: E402
+from oea.config import write_layer_k0_file  # noqa: E402
 from oea.integrations.transformers import doctor_checks, engine_version, maybe_attach  # noqa: E402
 from oea.models.testing import TINY_FAMILIES, tiny_moe  # noqa: E402
 from oea.routing import LayerK0Schedule  # noqa: E402
@@ -77,7 +78,7 @@ def test_k0_above_top_k_message_states_the_range(model: torch.nn.Module) -> None
 def _schedule_file(tmp_path, **overrides) -> str:
     fields = {"num_experts": 16, "top_k": 4, "num_layers": 2, "k0": (1, 3), "min_batch": 3, **overrides}
     path = tmp_path / "k0.json"
-    LayerK0Schedule(**fields).save(path)
+    write_layer_k0_file(LayerK0Schedule(**fields), path)
     return str(path)
 
 

@@ -41,10 +41,7 @@ CLI_IMPORT_ALLOWANCES: dict[tuple[str, str], str] = {
     ("oea.bench.serve_ab", "oea.launch.vllm_cli"): "issue 11: strip_separator belongs in oea.launch.vllm",
 }
 # (routing module, file-I/O module it imports).
-ROUTING_IO_ALLOWANCES: dict[tuple[str, str], str] = {
-    ("oea.routing.schedules", "pathlib"): "LayerK0Schedule.save/load read and write the per-layer k0 file; move them "
-                                          "to oea.config (to_json/from_json stay in routing) with the adapter split",
-}
+ROUTING_IO_ALLOWANCES: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import torch
 
 import oea
 from oea.cli import main
-from oea.config import layer_k0_policies, settings_from_env
-from oea.routing import AdaptiveK0Config, LayerK0Schedule
+from oea.config import layer_k0_policies, read_layer_k0_file, settings_from_env
+from oea.routing import AdaptiveK0Config
 from oea.traces import Trace, save_trace
 
 torch.set_num_threads(1)
@@ -47,7 +47,7 @@ def test_layers_with_batch_sizes_gives_one_k0_per_layer_and_range(trace_path, tm
     assert rows[4]["batch_sizes"] == [4, 15] and rows[16]["batch_sizes"] == [16, None]
     assert rows[4]["k0"][0] == 1 and rows[16]["k0"][0] == 1  # the sharp layer needs one expert
     assert rows[4]["k0"][1] > rows[16]["k0"][1] > 1  # the flat layer: larger batches recover more by piggybacking
-    schedule = LayerK0Schedule.load(out)
+    schedule = read_layer_k0_file(out)
     assert schedule.batch_k0 == ((3, (8, 8)), (15, tuple(rows[4]["k0"])), (16, tuple(rows[16]["k0"])))
     assert schedule.k0 == (1, rows[4]["k0"][1])  # readers without batch_k0: the largest calibrated k0
     assert result["vanilla_batch_sizes"] == [1, 3]
@@ -82,7 +82,7 @@ def test_layers_with_one_batch_size_keeps_one_k0_per_layer_for_every_batch_size(
     out = tmp_path / "k0.json"
     result = _run(capsys, "layers", "--trace", str(trace_path), "--batch-size", "16", "--tolerance", "0.02",
                   "--out", str(out))
-    schedule = LayerK0Schedule.load(out)
+    schedule = read_layer_k0_file(out)
     assert schedule.batch_k0 is None and schedule.k0 == tuple(result["k0"]) and schedule.k0[0] == 1
     assert schedule.config_for_layer(1) == oea.OEAConfig(schedule.k0[1])
 
@@ -126,7 +126,7 @@ def test_an_imported_recording_calibrates_in_lockstep_mode(tmp_path, capsys) -> 
     result = _run(capsys, "adaptive", "--trace", str(trace), "--mode", "lockstep", "--batch-sizes", "4", "16",
                   "--tolerance", "0.5", "--out", str(tmp_path / "k0.json"))
     assert result["proxy"] == "kept_topk_share" and len(result["ranges"]) == 2
-    assert LayerK0Schedule.load(tmp_path / "k0.json").top_k == 4
+    assert read_layer_k0_file(tmp_path / "k0.json").top_k == 4
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -167,7 +167,7 @@ def test_malformed_layer_k0_files_name_the_file_and_field(tmp_path, change: dict
     path = tmp_path / "k0.json"
     path.write_text(json.dumps({"num_experts": N, "top_k": K, "num_layers": 2, "k0": [3, 5], **change}))
     with pytest.raises(ValueError, match=rf"k0\.json: .*{message}"):
-        LayerK0Schedule.load(path)
+        read_layer_k0_file(path)
     with pytest.raises(ValueError, match=r"^OEA_LAYER_K0_FILE="):
         layer_k0_policies(settings_from_env({"OEA_LAYER_K0_FILE": str(path)}), N, K, 2)
 
@@ -176,6 +176,6 @@ def test_a_version_1_file_without_format_or_batch_k0_still_loads(tmp_path) -> No
     path = tmp_path / "v1.json"
     path.write_text(json.dumps({"num_experts": N, "top_k": K, "num_layers": 2, "k0": [3, 5], "min_batch": 2,
                                 "model": "m", "calibration": {}}))
-    schedule = LayerK0Schedule.load(path)
+    schedule = read_layer_k0_file(path)
     assert schedule.k0 == (3, 5) and schedule.batch_k0 is None
     assert json.loads(json.dumps(schedule.to_json()))["version"] == 2

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oea
+from oea.config import read_layer_k0_file, write_layer_k0_file
 from oea.routing import (
     AdaptiveK0Config,
     BudgetConfig,
@@ -221,8 +222,8 @@ def test_layer_k0_schedule_round_trip_and_mismatch(tmp_path):
     schedule = LayerK0Schedule(num_experts=128, top_k=8, num_layers=3, k0=(3, 5, 4), model="embedded",
                                calibration={"proxy": "kept_mass", "tolerance": 0.02})
     path = tmp_path / "k0.json"
-    schedule.save(path)
-    loaded = LayerK0Schedule.load(path)
+    write_layer_k0_file(schedule, path)
+    loaded = read_layer_k0_file(path)
     assert loaded == schedule
     assert loaded.config_for_layer(1) == oea.OEAConfig(5)
     loaded.check_model(128, 8, 3)
@@ -231,7 +232,7 @@ def test_layer_k0_schedule_round_trip_and_mismatch(tmp_path):
     with pytest.raises(ValueError, match=r"k0 values must be in 1..top_k=8, got \(layer, k0\) \[\(1, 9\)\]"):
         LayerK0Schedule(num_experts=128, top_k=8, num_layers=2, k0=(3, 9))
     with pytest.raises(FileNotFoundError, match="per-layer k0 file not found"):
-        LayerK0Schedule.load(tmp_path / "absent.json")
+        read_layer_k0_file(tmp_path / "absent.json")
 
 
 def test_catalog_builds_every_policy():

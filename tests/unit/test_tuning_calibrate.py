@@ -9,6 +9,7 @@ import torch
 
 import oea
 from oea.cli import main
+from oea.config import read_layer_k0_file
 from oea.traces import Trace, save_trace
 from oea.tuning.calibrate import (
     ProxyPoint,
@@ -84,6 +85,6 @@ def test_cli_writes_a_layer_file_that_loads(tmp_path, capsys):
                  "--num-batches", "4", "--out", str(out), "--json"])
     assert code == 0
     assert json.loads(capsys.readouterr().out)["k0"][0] == 1
-    loaded = oea.routing.LayerK0Schedule.load(out)
+    loaded = read_layer_k0_file(out)
     assert loaded.num_layers == 2 and loaded.calibration["proxy"] == "kept_mass"
     assert main(["calibrate", "adaptive", "--trace", str(path), "--k0", "9"]) == 2

@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -209,26 +207,6 @@ class LayerK0Schedule:
             return LayerK0Schedule(**values)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-
-    def save(self, path: str | Path) -> None:
-        """Write the schedule as JSON (kept for the engine adapters; new code: ``oea.config.write_layer_k0_file``)."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
-
-    @staticmethod
-    def load(path: str | Path) -> LayerK0Schedule:
-        """Read a schedule written by ``save``; a missing file, bad JSON or a bad field is a clear error.
-
-        Kept for the engine adapters until they read the file through ``oea.config`` (``read_layer_k0_file``,
-        ``layer_k0_policies``), which is where file handling lives.
-        """
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"per-layer k0 file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"per-layer k0 file {path}: not valid JSON ({err})") from None
-        return LayerK0Schedule.from_json(data, str(path))
 
 
 LAYER_K0_FORMAT = "oea-layer-k0"
