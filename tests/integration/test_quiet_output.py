@@ -35,3 +35,19 @@ def test_a_checkpoint_without_tokenizer_is_named(tmp_path: pathlib.Path) -> None
     shutil.copy(embedded_model_dir() / "config.json", tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match=r"has no tokenizer \(none of tokenizer.json"):
         load_model(tmp_path)
+
+
+def test_lm_eval_records_no_git_hash_noise_outside_a_repository(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("lm_eval")
+    import lm_eval.evaluator as evaluator
+
+    from oea.eval.lm_eval_bridge import _quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)  # not a git repository: plain `git describe` prints "fatal: ..."
+    original = evaluator.get_git_commit_hash
+    with _quiet_git_hash():
+        assert evaluator.get_git_commit_hash() is None
+    assert evaluator.get_git_commit_hash is original
+    assert "fatal" not in capfd.readouterr().err
