@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from oea.routing.policies import register_policy
+from oea.routing.ranking import KEY_MIN, top_indices
 from oea.routing.scores import RouterScores
 from oea.routing.spec import RouterSpec
 
@@ -72,9 +73,9 @@ def _vanilla_mass(scores: RouterScores, vanilla_ids: torch.Tensor, valid: torch.
 
 def _best_k_inside(scores: RouterScores, allowed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's best k experts inside ``allowed`` [N] bool; filler = the row's first pick."""
-    fill = torch.where(allowed, scores.fill, float("-inf"))
-    values, ids = fill.topk(k, dim=-1)
-    keep = values > float("-inf")
+    candidate = allowed & (scores.fill > float("-inf"))  # [M, N]
+    ids = top_indices(torch.where(candidate, scores.fill_key, KEY_MIN), k)
+    keep = candidate.gather(1, ids)
     return torch.where(keep, ids, ids[:, :1]), keep
 
 

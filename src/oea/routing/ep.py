@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oea.routing.policies import expert_union, register_policy
+from oea.routing.ranking import KEY_MIN, top_indices
 from oea.routing.scores import RouterScores
 from oea.routing.spec import GroupFill, OEAConfig, RouterSpec
 
@@ -168,8 +169,7 @@ def ep_oea_policy(
     spare = counts.max() - counts  # [D] free slots per device
 
     boost_rank = cfg.boost_rank or k
-    wanted = scores.select.topk(boost_rank, dim=-1) if boost_rank > k else None
-    wanted_ids = vanilla_ids if wanted is None else wanted.indices
+    wanted_ids = vanilla_ids if boost_rank <= k else top_indices(scores.select_key, boost_rank)
     extra = wanted_ids[:, cfg.k0 : boost_rank]  # [M, boost_rank - k0] own ranks beyond the baseline
     demand_rows = scores.weight.gather(1, extra)  # router mass the batch would gain
     if valid is not None:
@@ -181,8 +181,10 @@ def ep_oea_policy(
     rank = _rank_within_device(demand, device, cfg.placement.num_devices)
     union = union | ((demand > 0) & (rank < spare[device]))
 
-    fill = torch.where(union, scores.fill, float("-inf"))
-    fill = fill.scatter(1, base, float("inf"))
-    values, ids = fill.topk(k, dim=-1)
-    keep = values > float("-inf")
+    candidate = (union & (scores.fill > float("-inf"))).scatter(1, base, False)  # the baseline goes first
+    if k == cfg.k0:
+        return base, torch.ones_like(base, dtype=torch.bool)
+    extra = top_indices(torch.where(candidate, scores.fill_key, KEY_MIN), k - cfg.k0)
+    keep = torch.cat([torch.ones_like(base, dtype=torch.bool), candidate.gather(1, extra)], dim=1)
+    ids = torch.cat([base, extra], dim=1)
     return torch.where(keep, ids, ids[:, :1]), keep

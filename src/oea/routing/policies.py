@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from oea.routing.ranking import KEY_MIN, top_indices
 from oea.routing.scores import RouterScores, mixture_weights, router_scores
 from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec
 
@@ -84,34 +85,49 @@ def oea_policy(
     Phase 1: each valid token's baseline is its top-min(k0, t_p) by the selection score; the
     union over valid tokens is S_base. Phase 2: each token fills up to ``max_experts`` slots
     in its own ``fill`` order with experts of S_base (within its top ``max_rank``).
+
+    Slot order: the baseline in the token's rank order, then the piggybacked experts in ``fill``
+    order (ties: lower index), then fillers.
     """
-    num_experts, k = spec.num_experts, spec.top_k
+    num_experts, k, k0 = spec.num_experts, spec.top_k, cfg.k0
     max_experts = cfg.max_experts or k
-    base = vanilla_ids[:, : cfg.k0]  # [M, k0] own top-k0, best first
+    base = vanilla_ids[:, :k0]  # [M, k0] own top-k0, best first
     in_baseline = None  # every one of the k0 (p = 1)
     if cfg.p < 1.0:
         mass = scores.weight.gather(1, base) / (scores.weight.sum(dim=-1, keepdim=True) + 1e-20)
-        in_baseline = (mass.cumsum(dim=-1) - mass) < cfg.p  # [M, k0] rank j kept iff mass before it < p
+        in_baseline = (mass.cumsum(dim=-1) - mass) < cfg.p  # [M, k0] a prefix: rank j kept iff mass before it < p
     contributes = in_baseline
     if valid is not None:
         contributes = valid[:, None] if in_baseline is None else in_baseline & valid[:, None]
         contributes = contributes.expand_as(base)
     union = expert_union(base, contributes, num_experts)  # [N]
 
-    fill = torch.where(union, scores.fill, float("-inf"))  # [M, N]
+    candidate = union & (scores.fill > float("-inf"))  # [M, N] may be piggybacked
     if cfg.max_rank is not None and cfg.max_rank < num_experts:
-        top_ranked = scores.fill.topk(cfg.max_rank, dim=-1).indices
-        within_rank = torch.zeros_like(fill, dtype=torch.bool).scatter(1, top_ranked, True)
-        fill = fill.masked_fill(~within_rank, float("-inf"))
-    if in_baseline is None:  # own baseline first, whatever S_base holds
-        fill = fill.scatter(1, base, float("inf"))
-    else:
-        fill = fill.scatter(1, base, torch.where(in_baseline, float("inf"), fill.gather(1, base)))
-
-    values, ids = fill.topk(k, dim=-1)  # [M, k]
-    keep = values > float("-inf")  # False only where fewer candidates than slots remain
+        top_ranked = top_indices(scores.fill_key, cfg.max_rank)
+        candidate = candidate & torch.zeros_like(candidate).scatter(1, top_ranked, True)
+    forced = torch.ones_like(base, dtype=torch.bool) if in_baseline is None else in_baseline
+    candidate = candidate & ~torch.zeros_like(candidate).scatter(1, base, forced)  # the baseline is placed first
+    slot = torch.arange(k, device=base.device)
+    if in_baseline is None:  # a fixed-size baseline: [baseline | best k - k0 candidates]
+        if k > k0:
+            extra = top_indices(torch.where(candidate, scores.fill_key, KEY_MIN), k - k0)
+            ids = torch.cat([base, extra], dim=1)
+            keep = torch.cat([forced, candidate.gather(1, extra)], dim=1)
+        else:
+            ids, keep = base, forced
+    else:  # t_i = in_baseline.sum() baseline slots, then candidates
+        t = in_baseline.sum(dim=-1, keepdim=True)  # [M, 1], >= 1
+        from_base = base.gather(1, slot.clamp(max=k0 - 1).expand_as(vanilla_ids))
+        if k > 1:
+            extra = top_indices(torch.where(candidate, scores.fill_key, KEY_MIN), k - 1)  # t >= 1
+            position = (slot - t).clamp(min=0, max=k - 2)
+            ids = torch.where(slot < t, from_base, extra.gather(1, position))
+            keep = (slot < t) | candidate.gather(1, extra).gather(1, position)
+        else:
+            ids, keep = from_base, slot < t
     if max_experts < k:
-        keep = keep & (torch.arange(k, device=ids.device) < max_experts)
+        keep = keep & (slot < max_experts)
     return _filler(ids, keep), keep
 
 
@@ -158,7 +174,7 @@ def route(
             check(spec)
 
     scores = router_scores(router_logits, spec, getattr(cfg, "group_fill", "in"))
-    vanilla_ids = scores.select.topk(spec.top_k, dim=-1).indices  # [M, k], best first
+    vanilla_ids = top_indices(scores.select_key, spec.top_k)  # [M, k], best first, ties: lower index
     renormalize = spec.renormalize
     if isinstance(cfg, PrunedConfig) and cfg.renormalize is not None:
         renormalize = cfg.renormalize

@@ -1,8 +1,10 @@
 """The literal reference: the paper's Algorithms 1 and 2 as a per-token scan in float64.
 
 Slow on purpose and written to be read beside the paper. It is the test oracle of the vectorised
-``route`` (tests compare the two on inputs without score ties; on ties the two may pick different
-but equally ranked experts).
+``route``. Both rank by score with equal scores going to the lower expert index (a stable sort here,
+``oea.routing.ranking`` there); scores are float64 here and float32 there, so inputs whose scores tie in
+one precision only (softmax logits beyond float64's exp range, sigmoid scores one float32 ulp apart) are
+outside what the comparison covers.
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 Shape legend: M = router rows (tokens, padding included), N = routed experts.
 
+Ranking (a documented, tested contract): softmax routers rank experts by their float32 logit (the same
+order as the probabilities, without the ties that rounding and underflow add to them); sigmoid routers by
+the float32 ``sigmoid(logit) + correction_bias``; equal scores go to the lower expert index
+(``oea.routing.ranking``).
+
 Non-finite logits (a documented, tested contract):
     * NaN is treated as -inf: the expert ranks below every finite one and gets weight 0.
     * +inf is clamped to the largest finite float32: the expert wins selection and, under
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oea.routing.ranking import rank_keys, top_indices
 from oea.routing.spec import GroupFill, RouterSpec
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -25,16 +31,20 @@ class RouterScores:
     """The three score tensors every policy works from, all float32 [M, N].
 
     Attributes:
-        select: Phase-1 ranking: softmax probabilities, or sigmoid + correction bias with
+        select: Phase-1 ranking: softmax logits (sanitised), or sigmoid + correction bias with
             experts outside the token's allowed groups at -inf. Vanilla top-k is its top-k.
         fill: Phase-2 ranking for piggybacking (``select`` itself, or the biased score without
             the group mask for ``group_fill="cross"``).
         weight: weight source: softmax probabilities, or the *unbiased* sigmoid.
+        select_key / fill_key: [M, N] int64 ``rank_keys`` of ``select`` / ``fill`` (the same tensor
+            when the scores are): rank with these, never with ``topk`` on the scores.
     """
 
     select: torch.Tensor
     fill: torch.Tensor
     weight: torch.Tensor
+    select_key: torch.Tensor
+    fill_key: torch.Tensor
 
 
 def sanitize_logits(router_logits: torch.Tensor) -> torch.Tensor:
@@ -49,7 +59,7 @@ def group_mask(biased: torch.Tensor, n_group: int, topk_group: int) -> torch.Ten
     """
     m, n = biased.shape
     group_scores = biased.view(m, n_group, n // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [M, G]
-    best_groups = group_scores.topk(topk_group, dim=-1).indices  # [M, topk_group]
+    best_groups = top_indices(rank_keys(group_scores), topk_group)  # [M, topk_group], ties: lower group
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)  # [M, G]
     return keep.unsqueeze(-1).expand(m, n_group, n // n_group).reshape(m, n)
 
@@ -59,19 +69,24 @@ def router_scores(router_logits: torch.Tensor, spec: RouterSpec, group_fill: Gro
     x = sanitize_logits(router_logits)
     if spec.scoring == "softmax":
         probs = torch.nan_to_num(torch.softmax(x, dim=-1), nan=0.0)
-        return RouterScores(select=probs, fill=probs, weight=probs)
+        key = rank_keys(x)
+        return RouterScores(select=x, fill=x, weight=probs, select_key=key, fill_key=key)
 
     unbiased = torch.sigmoid(x)
     biased = unbiased
     if spec.correction_bias is not None:
         biased = unbiased + spec.correction_bias.to(device=x.device, dtype=torch.float32)
     if not spec.grouped:
-        return RouterScores(select=biased, fill=biased, weight=unbiased)
+        key = rank_keys(biased)
+        return RouterScores(select=biased, fill=biased, weight=unbiased, select_key=key, fill_key=key)
     assert spec.n_group is not None and spec.topk_group is not None
     allowed = group_mask(biased, spec.n_group, spec.topk_group)
     select = biased.masked_fill(~allowed, float("-inf"))
-    fill = select if group_fill == "in" else biased
-    return RouterScores(select=select, fill=fill, weight=unbiased)
+    select_key = rank_keys(select)
+    if group_fill == "in":
+        return RouterScores(select=select, fill=select, weight=unbiased, select_key=select_key, fill_key=select_key)
+    return RouterScores(select=select, fill=biased, weight=unbiased, select_key=select_key,
+                        fill_key=rank_keys(biased))
 
 
 def mixture_weights(
