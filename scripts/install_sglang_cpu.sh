@@ -18,6 +18,10 @@
 # torchvision then imports, and its compiled ops (nms, roi_align, decode_jpeg, ...) raise
 # torchvision's own "Couldn't load custom C++ ops" if called.
 #
+# openai, partial-json-parser: the graph runners the plugin hooks to keep CUDA-graph padding rows out of
+# the OEA union (sglang.srt.model_executor.runner.decode_cuda_graph_runner, cpu_graph_runner) import them
+# (through sglang.srt.parser); openai at the version sglang 0.5.23 pins.
+#
 # Idempotent: a stamp file records a hash of this script, pyproject.toml and constraints.txt;
 # nothing is reinstalled while they are unchanged. Usage: bash scripts/install_sglang_cpu.sh
 set -euo pipefail
@@ -32,7 +36,7 @@ REQUIREMENTS=(
     "starlette==1.10.0" "msgspec==0.22.0" "pydantic==2.14.4" "pyzmq==27.3.0" "tqdm==4.70.1"
     "ipython==9.18.1" "aiohttp==3.14.5" "dill==0.4.1" "apache-tvm-ffi==0.1.11"
     "sentencepiece==0.2.3" "einops==0.8.2" "compressed-tensors==0.20.1" "gguf==0.19.0"
-    "torchvision==0.28.0"
+    "torchvision==0.28.0" "openai==2.8.0" "partial-json-parser==0.2.1.1.post7"
 )
 
 fingerprint="$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -c1-16)"
@@ -83,6 +87,8 @@ pip_install -e "$ROOT"
 from importlib.metadata import entry_points, version
 
 import sglang.srt.layers.moe.topk  # noqa: F401  (the import chain the OEA hooks need, torchvision included)
+import sglang.srt.model_executor.cpu_graph_runner  # noqa: F401  (replay hooks: openai, partial-json-parser)
+import sglang.srt.model_executor.runner.decode_cuda_graph_runner  # noqa: F401
 import torchvision.extension
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: F401
 
