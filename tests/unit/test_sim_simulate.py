@@ -135,6 +135,34 @@ def test_lockstep_batches_hold_distinct_requests_at_one_position() -> None:
         make_batches(trace, 65, "lockstep", 1, torch.Generator())
 
 
+def _recorded_steps_trace() -> Trace:
+    """Full logits of 3 engine steps (5, 8 and 8 rows), rows of different requests and positions, shuffled."""
+    g = torch.Generator().manual_seed(4)
+    sizes = [5, 8, 8]
+    steps = torch.cat([torch.full((n,), 40 + i) for i, n in enumerate(sizes)])
+    order = torch.randperm(len(steps), generator=g)
+    return Trace(spec=RouterSpec(32, 4), logits=torch.randn(len(steps), 2, 32, generator=g),
+                 request_ids=torch.arange(len(steps))[order], positions=(torch.arange(len(steps)) * 7 % 11)[order],
+                 step_ids=steps[order])
+
+
+def test_lockstep_replays_recorded_engine_steps_as_batched() -> None:
+    """With ``step_ids`` a lockstep batch is rows of one engine step (not one position); a step of exactly B
+    rows is the whole step, so vanilla T is the step's own union, counted here by hand."""
+    trace = _recorded_steps_trace()
+    batches = make_batches(trace, 8, "lockstep", 30, torch.Generator().manual_seed(1))
+    for batch in batches:
+        assert len(set(trace.step_ids[batch].tolist())) == 1 and len(set(batch.tolist())) == 8
+    assert {int(trace.step_ids[b[0]]) for b in batches} == {41, 42}  # the 5-row step is too small for B = 8
+    union = {s: [len(set(trace.logits[trace.step_ids == s, layer].topk(4).indices.flatten().tolist()))
+                 for layer in range(2)] for s in (41, 42)}
+    expected = np.mean([union[int(trace.step_ids[b[0]])] for b in batches])
+    rows = simulate(trace, policies=["vanilla"], batch_sizes=[8], mode="lockstep", num_batches=30, seed=1)
+    assert rows[0]["mean_active_experts"] == pytest.approx(expected, abs=1e-9)
+    with pytest.raises(ValueError, match=r"needs 9 requests at one engine step.*at most 8"):
+        make_batches(trace, 9, "lockstep", 1, torch.Generator())
+
+
 def test_bad_inputs_give_clear_errors(qwen3: Trace) -> None:
     with pytest.raises(ValueError, match=r"larger than the pool.*4130"):
         simulate(qwen3, policies=["vanilla"], batch_sizes=[5000], num_batches=2)

@@ -27,6 +27,7 @@ def _trace(tokens: int = 6, layers: int = 3, n: int = 16, k: int = 4, logits: bo
         scores=None if logits else raw.softmax(-1).gather(-1, ids),
         request_ids=torch.arange(tokens) % 2,
         positions=torch.arange(tokens) // 2,
+        step_ids=torch.arange(tokens) // 2 + 7,
         meta={"name": "unit", "source": "test", "licence": "none", "notes": ["n"]},
     )
 
@@ -38,7 +39,7 @@ def test_round_trip_keeps_every_tensor_and_the_metadata(tmp_path: pathlib.Path, 
     back = load_trace(str(path))
     assert back.num_tokens == 6 and back.num_layers == 3
     assert back.spec.num_experts == n and back.spec.top_k == 4
-    for name in ("logits", "ids", "scores", "request_ids", "positions"):
+    for name in ("logits", "ids", "scores", "request_ids", "positions", "step_ids"):
         a, b = getattr(trace, name), getattr(back, name)
         assert (a is None) == (b is None), name
         if a is not None:

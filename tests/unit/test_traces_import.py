@@ -25,7 +25,7 @@ def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
     ids = np.argsort(-logits, axis=-1)[..., :K]
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     return {"ids": ids, "scores": np.take_along_axis(probs, ids, -1).astype(np.float32),
-            "request_ids": np.arange(T) % 6, "positions": np.arange(T) // 6}
+            "request_ids": np.arange(T) % 6, "positions": np.arange(T) // 6, "step_ids": np.arange(T) // 6 + 30}
 
 
 def _import(path: pathlib.Path, out: pathlib.Path, *extra: str) -> int:
@@ -40,7 +40,8 @@ def test_the_npz_contract_round_trips_every_array(tmp_path: pathlib.Path, capsys
     assert _import(tmp_path / "in.npz", out, "--scoring", "sigmoid", "--name", "qwen15", "--json") == 0
     record = json.loads(capsys.readouterr().out)
     assert record["out"] == str(out) and record["name"] == "qwen15" and record["num_tokens"] == T
-    assert record["tensors"] == ["ids", "scores", "request_ids", "positions"] and record["scoring"] == "sigmoid"
+    assert record["tensors"] == ["ids", "scores", "request_ids", "positions", "step_ids"]
+    assert record["scoring"] == "sigmoid"
     assert record["order"].startswith("checked")
     sidecar = json.loads(out.with_suffix(".json").read_text())
     assert sidecar["format"] == "oea-trace" and sidecar["version"] == 1
@@ -51,6 +52,7 @@ def test_the_npz_contract_round_trips_every_array(tmp_path: pathlib.Path, capsys
     np.testing.assert_allclose(trace.scores.numpy(), arrays["scores"])
     np.testing.assert_array_equal(trace.request_ids.numpy(), arrays["request_ids"])
     np.testing.assert_array_equal(trace.positions.numpy(), arrays["positions"])
+    np.testing.assert_array_equal(trace.step_ids.numpy(), arrays["step_ids"])
 
 
 def test_an_imported_trace_replays_in_simulate_lockstep(tmp_path: pathlib.Path, capsys) -> None:
@@ -70,18 +72,19 @@ def _write_jsonl(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
         for t in range(T):
             handle.write(json.dumps({"ids": arrays["ids"][t].tolist(), "scores": arrays["scores"][t].tolist(),
                                      "request_id": int(arrays["request_ids"][t]),
-                                     "position": int(arrays["positions"][t])}) + "\n")
+                                     "position": int(arrays["positions"][t]),
+                                     "step_id": int(arrays["step_ids"][t])}) + "\n")
 
 
 def _write_csv(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
     header = ["token", "layer", *[f"id_{j}" for j in range(K)], *[f"score_{j}" for j in range(K)],
-              "request_id", "position"]
+              "request_id", "position", "step_id"]
     lines = [",".join(header)]
     for t in reversed(range(T)):  # any row order
         for layer in range(L):
             lines.append(",".join(map(str, [t, layer, *arrays["ids"][t, layer].tolist(),
                                             *arrays["scores"][t, layer].tolist(), arrays["request_ids"][t],
-                                            arrays["positions"][t]])))
+                                            arrays["positions"][t], arrays["step_ids"][t]])))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -93,7 +96,7 @@ def test_jsonl_and_csv_give_the_same_trace_as_npz(tmp_path: pathlib.Path, suffix
     assert _import(tmp_path / "in.npz", tmp_path / "a.safetensors") == 0
     assert _import(tmp_path / f"in{suffix}", tmp_path / "b.safetensors") == 0
     a, b = load_trace(str(tmp_path / "a.safetensors")), load_trace(str(tmp_path / "b.safetensors"))
-    for name in ("ids", "scores", "request_ids", "positions"):
+    for name in ("ids", "scores", "request_ids", "positions", "step_ids"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), msg=name)
 
 

@@ -28,7 +28,8 @@ def _tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(T, L, N, generator=g)
     scores, ids = logits.softmax(-1).topk(K, dim=-1)
-    return {"ids": ids, "scores": scores, "request_ids": torch.arange(T) % 4, "positions": torch.arange(T) // 4}
+    return {"ids": ids, "scores": scores, "request_ids": torch.arange(T) % 4, "positions": torch.arange(T) // 4,
+            "step_ids": torch.arange(T) // 4 + 100}
 
 
 def _dup(t):
@@ -88,6 +89,19 @@ def _negative_position(t):
     t["positions"][10] = -3
 
 
+def _negative_step(t):
+    t["step_ids"][11] = -1
+
+
+def _float_steps(t):
+    t["step_ids"] = t["step_ids"].double()
+    t["step_ids"][3] = 7.5
+
+
+def _step_length(t):
+    t["step_ids"] = t["step_ids"][:-1]
+
+
 # (mutation, field, regex for the row / detail the message must name)
 CASES: list[tuple[Callable, str, str]] = [
     (_dup, "ids", r"distinct.*row \(token 7, layer 2\).*expert \d+ twice"),
@@ -104,6 +118,9 @@ CASES: list[tuple[Callable, str, str]] = [
     (_request_length, "request_ids", r"expected shape \[T=12\], got \(10,\)"),
     (_float_positions, "positions", r"integers.*token 0"),
     (_negative_position, "positions", r">= 0.*token 10 has -3"),
+    (_negative_step, "step_ids", r">= 0.*token 11 has -1"),
+    (_float_steps, "step_ids", r"integers.*7\.5 at token 3"),
+    (_step_length, "step_ids", r"expected shape \[T=12\], got \(11,\)"),
 ]
 
 

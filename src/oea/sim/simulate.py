@@ -5,7 +5,8 @@ nb = number of simulated batches.
 
 For every (policy, k0, B) the simulator forms ``nb`` batches of B trace tokens (``mixed``: B tokens
 drawn uniformly without replacement from the whole pool; ``lockstep``: B different requests at the
-same decode position), routes each batch of each layer through ``oea.route`` and measures:
+same decode position, or, in a trace recorded from an engine (``step_ids``), B requests of one engine
+step), routes each batch of each layer through ``oea.route`` and measures:
 
 * active experts T per layer and batch (mean, p50, p95 over all layer × batch samples);
 * experts per token (non-zero-weight slots);
@@ -159,7 +160,9 @@ def make_batches(
     """Token indices of ``num_batches`` batches: [nb, B] int64.
 
     ``mixed``: B tokens uniformly without replacement from the pool, independently per batch.
-    ``lockstep``: a random decode position that at least B requests reach, then B of those requests.
+    ``lockstep``: a random decode position that at least B requests reach, then B of those requests; in a
+    trace with ``step_ids`` (recorded from an engine), a random engine step of at least B rows, then B of
+    its rows (a step of exactly B rows is replayed as the engine batched it).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -173,20 +176,29 @@ def make_batches(
                              f"({trace.num_tokens} tokens); use batch sizes <= {trace.num_tokens}")
         return torch.stack([torch.randperm(trace.num_tokens, generator=generator)[:batch_size]
                             for _ in range(num_batches)])
-    if trace.request_ids is None or trace.positions is None:
-        raise ValueError(f"mode 'lockstep' needs request ids and positions, which trace {trace.name!r} "
-                         f"does not record; use mode 'mixed'")
-    groups = _tokens_by_position(trace)
+    if trace.step_ids is None and (trace.request_ids is None or trace.positions is None):
+        raise ValueError(f"mode 'lockstep' needs request ids and positions (or engine step ids), which trace "
+                         f"{trace.name!r} does not record; use mode 'mixed'")
+    groups = _tokens_by_step(trace) if trace.step_ids is not None else _tokens_by_position(trace)
     eligible = [tokens for tokens in groups if len(tokens) >= batch_size]
     if not eligible:
         most = max(len(tokens) for tokens in groups)
-        raise ValueError(f"lockstep batch size {batch_size} needs {batch_size} requests at one position, but "
+        where = "one engine step" if trace.step_ids is not None else "one position"
+        raise ValueError(f"lockstep batch size {batch_size} needs {batch_size} requests at {where}, but "
                          f"trace {trace.name!r} has at most {most}; use batch sizes <= {most}")
     batches = []
     for _ in range(num_batches):
         tokens = eligible[int(torch.randint(len(eligible), (1,), generator=generator))]
         batches.append(tokens[torch.randperm(len(tokens), generator=generator)[:batch_size]])
     return torch.stack(batches)
+
+
+def _tokens_by_step(trace: Trace) -> list[torch.Tensor]:
+    """Per recorded engine step, its tokens (rows of one forward pass), in trace order."""
+    assert trace.step_ids is not None
+    order = torch.argsort(trace.step_ids, stable=True)
+    _, counts = torch.unique_consecutive(trace.step_ids[order], return_counts=True)
+    return list(torch.split(order, counts.tolist()))
 
 
 def _tokens_by_position(trace: Trace) -> list[torch.Tensor]:

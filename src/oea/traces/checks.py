@@ -11,7 +11,7 @@ one token at one layer; errors give the first offending row in token-major order
 * ``scores`` [T, L, k]: router probabilities: finite, in ``[0, 1]``, and not increasing along k (ids
   are best first). Where a per-layer ``correction_bias`` exists the router ranks by biased scores, so
   the order of the unbiased scores says nothing and is not checked.
-* ``request_ids`` / ``positions`` [T]: integers; positions ``>= 0``.
+* ``request_ids`` / ``positions`` / ``step_ids`` [T]: integers; positions and step ids ``>= 0``.
 
 Without scores the best-first order of id-only rows cannot be checked (``ordering_status``).
 """
@@ -114,12 +114,12 @@ def check_scores(scores: torch.Tensor, where: str, check_order: bool = True) -> 
                   f"(`oea traces import --sort-by-scores`)")
 
 
-def check_positions(positions: torch.Tensor, where: str) -> None:
-    """[T] decode positions must be >= 0."""
+def check_positions(positions: torch.Tensor, where: str, field_name: str = "positions") -> None:
+    """[T] decode positions (or step ids) must be >= 0."""
     negative = positions < 0
     if bool(negative.any()):
         index = first_row(negative)
-        _fail(where, "positions", f"positions must be >= 0, {_row(index)} has {int(positions[index])}")
+        _fail(where, field_name, f"{field_name} must be >= 0, {_row(index)} has {int(positions[index])}")
 
 
 def check_contents(trace: Trace, where: str) -> None:
@@ -129,12 +129,14 @@ def check_contents(trace: Trace, where: str) -> None:
         check_ids(trace.ids, trace.spec.num_experts, where)
     if trace.scores is not None:
         check_scores(trace.scores, where, check_order=trace.correction_bias is None)
-    for name in ("request_ids", "positions"):
+    for name in ("request_ids", "positions", "step_ids"):
         tensor = getattr(trace, name)
         if tensor is not None:
             check_integer(tensor, where, name)
-    if trace.positions is not None:
-        check_positions(trace.positions, where)
+    for name in ("positions", "step_ids"):
+        tensor = getattr(trace, name)
+        if tensor is not None:
+            check_positions(tensor, where, name)
 
 
 SIDECAR_STRINGS: tuple[str, ...] = ("name", "source", "licence", "model", "kind")

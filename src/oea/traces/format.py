@@ -9,6 +9,8 @@ Tensors (every one optional except that ``logits`` or ``ids`` must be present):
 * ``scores``          [T, L, k] float: the router score of each recorded id (e.g. softmax probability).
 * ``request_ids``     [T] integer: which request / sequence the token belongs to.
 * ``positions``       [T] integer: the token's decode step (or position) within its request.
+* ``step_ids``        [T] integer: the engine step (forward pass) that decoded the token; tokens with the
+  same step id were batched together (recorded by the engine plugins, ``OEA_TRACE_FILE``).
 * ``correction_bias`` [L, N] float: per-layer selection bias of sigmoid routers.
 
 The JSON sidecar holds ``format`` (``"oea-trace"``), ``version``, ``num_tokens``, ``num_layers``, the
@@ -36,8 +38,8 @@ FORMAT_NAME = "oea-trace"
 FORMAT_VERSION = 1
 _SPEC_FIELDS = ("num_experts", "top_k", "scoring", "renormalize", "n_group", "topk_group",
                 "routed_scaling_factor")
-_TENSOR_NAMES = ("logits", "ids", "scores", "request_ids", "positions", "correction_bias")
-_INTEGER_NAMES = ("ids", "request_ids", "positions")
+_TENSOR_NAMES = ("logits", "ids", "scores", "request_ids", "positions", "step_ids", "correction_bias")
+_INTEGER_NAMES = ("ids", "request_ids", "positions", "step_ids")
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Trace:
         scores: [T, L, k] float32 scores of ``ids`` (e.g. softmax probabilities), or ``None``.
         request_ids: [T] int64 request of each token, or ``None`` when unknown.
         positions: [T] int64 decode step of each token within its request, or ``None``.
+        step_ids: [T] int64 engine step that decoded each token (same id = same batch), or ``None``.
         correction_bias: [L, N] float32 per-layer selection bias (sigmoid routers), or ``None``.
         meta: provenance and notes: ``name``, ``source``, ``licence``, ``model``, ``notes``, ...
     """
@@ -62,6 +65,7 @@ class Trace:
     request_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     correction_bias: torch.Tensor | None = None
+    step_ids: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,7 +167,7 @@ def validate(trace: Trace, where: str) -> None:
                   f"expected shape [T={t}, L={layers}, k={spec.top_k}], got {tuple(tensor.shape)}")
     if trace.scores is not None and trace.ids is None:
         _fail(where, "scores", "scores need the ids they belong to")
-    for name in ("request_ids", "positions"):
+    for name in ("request_ids", "positions", "step_ids"):
         tensor = getattr(trace, name)
         if tensor is not None and tuple(tensor.shape) != (t,):
             _fail(where, name, f"expected shape [T={t}], got {tuple(tensor.shape)}")
@@ -220,7 +224,7 @@ def save_trace(trace: Trace, path: str | pathlib.Path) -> pathlib.Path:
     if trace.scores is not None:
         dtype = torch.float16 if trace.scores.dtype == torch.float16 else torch.float32
         tensors["scores"] = trace.scores.to(dtype)
-    for name in ("request_ids", "positions"):
+    for name in ("request_ids", "positions", "step_ids"):
         tensor = getattr(trace, name)
         if tensor is not None:
             tensors[name] = tensor.to(torch.int32)
@@ -296,7 +300,7 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
     trace_meta["path"] = str(path)
     trace = make_trace(
         str(path), spec, logits=as_float("logits"), ids=as_long("ids"), scores=as_float("scores"),
-        request_ids=as_long("request_ids"), positions=as_long("positions"),
+        request_ids=as_long("request_ids"), positions=as_long("positions"), step_ids=as_long("step_ids"),
         correction_bias=as_float("correction_bias"), meta=trace_meta,
     )
     for name, actual in (("num_tokens", trace.num_tokens), ("num_layers", trace.num_layers)):

@@ -5,15 +5,15 @@ Shape legend: T = recorded tokens, L = MoE layers, N = routed experts, k = top-k
 Input layouts (``docs/traces.md`` shows each one):
 
 * ``.npz``: arrays ``ids`` [T, L, k] (best first) and optionally ``scores`` [T, L, k], ``logits``
-  [T, L, N], ``request_ids`` [T], ``positions`` [T]. ``ids`` / ``scores`` / ``logits`` may drop the layer
-  axis ([T, k], [T, N]) for a single layer.
+  [T, L, N], ``request_ids`` [T], ``positions`` [T], ``step_ids`` [T]. ``ids`` / ``scores`` / ``logits`` may
+  drop the layer axis ([T, k], [T, N]) for a single layer.
 * ``.npy``: one array, the ``ids``.
 * ``.jsonl`` / ``.ndjson``: one JSON object per token, in order: ``{"ids": [[...k] per layer],
-  "scores": [[...]], "request_id": 3, "position": 17}``; only ``ids`` is required, and a key present in
+  "scores": [[...]], "request_id": 3, "position": 17, "step_id": 5}``; only ``ids`` is required, and a key present in
   one line must be present in every line.
 * ``.csv``: a header and one row per (token, layer): ``token``, ``layer``, ``id_0`` .. ``id_{k-1}``, and
-  optionally ``score_0`` .. ``score_{k-1}``, ``request_id``, ``position``; every (token, layer) pair exactly
-  once, tokens numbered 0..T-1, layers 0..L-1.
+  optionally ``score_0`` .. ``score_{k-1}``, ``request_id``, ``position``, ``step_id``; every (token, layer)
+  pair exactly once, tokens numbered 0..T-1, layers 0..L-1.
 
 When ``request_ids`` are given without ``positions``, each token's position is its decode step within
 its request (0, 1, 2, ... in file order), and the trace's notes say so.
@@ -34,11 +34,11 @@ from oea.routing import RouterSpec
 from oea.traces.checks import ordering_status
 from oea.traces.format import Trace, make_trace
 
-ARRAY_KEYS: tuple[str, ...] = ("ids", "scores", "logits", "request_ids", "positions")
+ARRAY_KEYS: tuple[str, ...] = ("ids", "scores", "logits", "request_ids", "positions", "step_ids")
 SUFFIXES: tuple[str, ...] = (".npz", ".npy", ".jsonl", ".ndjson", ".csv")
 _PER_LAYER = ("ids", "scores", "logits")
 _JSONL_KEYS = {"ids": "ids", "scores": "scores", "logits": "logits", "request_id": "request_ids",
-               "position": "positions"}
+               "position": "positions", "step_id": "step_ids"}
 
 
 def read_arrays(path: str | pathlib.Path, top_k: int) -> dict[str, np.ndarray]:
@@ -67,7 +67,7 @@ def read_arrays(path: str | pathlib.Path, top_k: int) -> dict[str, np.ndarray]:
     for name in _PER_LAYER:
         if name in arrays:
             arrays[name] = _with_layer_axis(arrays[name], path, name)
-    for name in ("request_ids", "positions"):
+    for name in ("request_ids", "positions", "step_ids"):
         if name in arrays and arrays[name].ndim != 1:
             raise ValueError(f"{path}: field {name!r}: must have shape [tokens], got {arrays[name].shape}")
     return arrays
@@ -169,11 +169,11 @@ def _read_csv(path: pathlib.Path, top_k: int) -> dict[str, np.ndarray]:
         if missing:
             raise ValueError(f"{path}: header lacks columns {missing} (with --top-k {top_k} the required columns "
                              f"are token, layer, {', '.join(id_columns)})")
-        optional = [*score_columns, "request_id", "position"]
+        optional = [*score_columns, "request_id", "position", "step_id"]
         unknown = [name for name in header if name not in ("token", "layer", *id_columns, *optional)]
         if unknown:
             raise ValueError(f"{path}: unknown columns {unknown}; allowed: token, layer, id_0..id_{top_k - 1}, "
-                             f"score_0..score_{top_k - 1}, request_id, position")
+                             f"score_0..score_{top_k - 1}, request_id, position, step_id")
         has_scores = any(name in header for name in score_columns)
         if has_scores and not all(name in header for name in score_columns):
             raise ValueError(f"{path}: scores need all of {score_columns}")
@@ -211,7 +211,7 @@ def _read_csv(path: pathlib.Path, top_k: int) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {"ids": np.zeros((tokens, layers, top_k), dtype=np.int64)}
     if has_scores:
         arrays["scores"] = np.zeros((tokens, layers, top_k), dtype=np.float64)
-    per_token = [name for name in ("request_id", "position") if name in header]
+    per_token = [name for name in ("request_id", "position", "step_id") if name in header]
     for name in per_token:
         arrays[name + "s"] = np.zeros(tokens, dtype=np.int64)
     for (t, layer), (line, row) in cells.items():
@@ -300,7 +300,7 @@ def summary(trace: Trace, written: Sequence[pathlib.Path]) -> dict[str, Any]:
         "out": str(written[0]), "sidecar": str(written[1]), "name": trace.name, "num_tokens": trace.num_tokens,
         "num_layers": trace.num_layers, "num_experts": trace.spec.num_experts, "top_k": trace.spec.top_k,
         "scoring": trace.spec.scoring,
-        "tensors": [n for n in ("logits", "ids", "scores", "request_ids", "positions")
+        "tensors": [n for n in ("logits", "ids", "scores", "request_ids", "positions", "step_ids")
                     if getattr(trace, n) is not None],
         "order": ordering_status(trace), "notes": trace.meta["notes"],
     }
