@@ -15,6 +15,10 @@ variable                    alias                       meaning
 ``OEA_METRICS_FILE``                                    where engine plugins write active-expert counts
 ``OEA_TIMING``                                          ``1`` times each routing call (vLLM plugin)
 ``OEA_METRICS_FLUSH_S``                                 seconds between metrics flushes (vLLM, 0.5)
+``OEA_TRACE_FILE``                                      record decode-step routing to this oea-trace
+``OEA_TRACE_SAMPLE``                                    share of decode steps recorded (1.0)
+``OEA_TRACE_MAX_MB``                                    size cap of the recording in MB (1024)
+``OEA_TRACE_CONTENT``                                   ``logits`` (full router logits) or ``topk``
 ==========================  ==========================  =============================================
 
 A malformed value raises ``ValueError`` naming the variable, at plugin start-up: serving with a
@@ -23,7 +27,7 @@ values (``OEA_K0=2 SGLANG_OEA_K0=5``) is refused the same way, naming both: whic
 be known. Set to the same value, they are accepted.
 
 ``check_environment()`` checks every ``OEA_*`` variable that can be checked without a model (each value,
-alias conflicts, the per-layer k0 file, the metrics file's folder, unknown names with the closest known
+alias conflicts, the per-layer k0 file, the metrics and trace files' folders, unknown names with the closest known
 one); ``oea doctor`` prints its findings and fails on a broken one. It parses with the same functions as
 ``settings_from_env``, so the two agree.
 
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from oea.routing.schedules import AdaptiveK0Config, LayerK0Schedule
 from oea.routing.spec import GROUP_FILLS, OEAConfig
 
+TRACE_CONTENTS = ("logits", "topk")  # full router logits, or the router's top-k ids and probabilities
 ALIASES: dict[str, str] = {"OEA_K0": "SGLANG_OEA_K0", "OEA_MIN_BATCH": "SGLANG_OEA_MIN_BATCH"}
 # Every variable OEA reads, with what it means (``check_environment`` names the closest one to a typo).
 VARIABLES: dict[str, str] = {
@@ -58,6 +63,10 @@ VARIABLES: dict[str, str] = {
     "OEA_METRICS_FILE": "JSONL file the engine plugins append active-expert counts to",
     "OEA_TIMING": "1: time each routing call in the vLLM worker",
     "OEA_METRICS_FLUSH_S": "seconds between metrics-file flushes in the vLLM worker (default 0.5)",
+    "OEA_TRACE_FILE": "record decode-step routing from the engine to this .safetensors oea-trace",
+    "OEA_TRACE_SAMPLE": "share of decode steps recorded, in (0, 1] (default 1.0)",
+    "OEA_TRACE_MAX_MB": "recording stops when the trace reaches this many MB (default 1024)",
+    "OEA_TRACE_CONTENT": f"what is recorded per token and layer: {' or '.join(TRACE_CONTENTS)} (default logits)",
 }
 # Variables of the project's scripts and tests; routing ignores them.
 TOOL_VARIABLES: dict[str, str] = {
@@ -158,19 +167,54 @@ def timing_from_env(env: Mapping[str, str] | None = None) -> bool:
     return _flag(os.environ if env is None else env, "OEA_TIMING")
 
 
-def metrics_flush_interval(env: Mapping[str, str] | None = None) -> float:
-    """``OEA_METRICS_FLUSH_S``: seconds between metrics flushes (default 0.5); a finite number > 0."""
-    env = os.environ if env is None else env
-    raw = env.get("OEA_METRICS_FLUSH_S", "").strip()
+def _positive_number(env: Mapping[str, str], name: str, maximum: float = math.inf, unit: str = "") -> float | None:
+    """A finite number in (0, maximum] (``None`` when unset); a ``ValueError`` naming ``name`` otherwise."""
+    raw = env.get(name, "").strip()
     if not raw:
-        return 0.5
+        return None
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"OEA_METRICS_FLUSH_S must be a number of seconds > 0, got {raw!r}")
+    if not (math.isfinite(value) and 0 < value <= maximum):
+        allowed = f"in (0, {maximum:g}]" if math.isfinite(maximum) else "> 0"
+        raise ValueError(f"{name} must be a number{unit} {allowed}, got {raw!r}")
     return value
+
+
+def metrics_flush_interval(env: Mapping[str, str] | None = None) -> float:
+    """``OEA_METRICS_FLUSH_S``: seconds between metrics flushes (default 0.5); a finite number > 0."""
+    value = _positive_number(os.environ if env is None else env, "OEA_METRICS_FLUSH_S", unit=" of seconds")
+    return 0.5 if value is None else value
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """``OEA_TRACE_*``: where the engine plugins record decode-step routing, and how much of it."""
+
+    path: str
+    sample: float = 1.0  # share of decode steps recorded
+    max_bytes: int = 1024 * 2**20
+    content: str = "logits"  # one of TRACE_CONTENTS
+
+
+def trace_settings_from_env(env: Mapping[str, str] | None = None) -> TraceSettings | None:
+    """``OEA_TRACE_FILE`` and its options (``None`` when unset). Raises ``ValueError`` naming a malformed
+    variable; whether the file can be written is the recorder's business (it warns and serving goes on)."""
+    env = os.environ if env is None else env
+    path = _path(env, "OEA_TRACE_FILE")
+    sample = _positive_number(env, "OEA_TRACE_SAMPLE", 1.0)
+    max_mb = _positive_number(env, "OEA_TRACE_MAX_MB")
+    content = env.get("OEA_TRACE_CONTENT", "").strip() or "logits"
+    if content not in TRACE_CONTENTS:
+        raise ValueError(f"OEA_TRACE_CONTENT must be one of {TRACE_CONTENTS}, got {content!r}")
+    if path is None:
+        return None
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"OEA_TRACE_FILE must name a .safetensors file (its .json sidecar goes next to it), "
+                         f"got {path!r}")
+    return TraceSettings(path, 1.0 if sample is None else sample,
+                         1024 * 2**20 if max_mb is None else max(1, int(max_mb * 2**20)), content)
 
 
 def read_layer_k0_file(path: str | os.PathLike[str]) -> LayerK0Schedule:
@@ -309,8 +353,10 @@ def _check_variable(env: Mapping[str, str], var: str) -> EnvCheck:
             detail = f"{'on' if _flag(env, var) else 'off'}"
         elif var == "OEA_METRICS_FLUSH_S":
             detail = f"every {metrics_flush_interval(env):g} s"
-        elif var == "OEA_METRICS_FILE":
-            detail = _check_metrics_file(raw)
+        elif var in ("OEA_METRICS_FILE", "OEA_TRACE_FILE"):
+            detail = _check_output_file(var, raw)
+        elif var.startswith("OEA_TRACE_"):  # the options of OEA_TRACE_FILE
+            detail = _trace_option(env, var)
         else:  # OEA_LAYER_K0_FILE
             detail = _check_layer_k0_file(env, raw)
     except (OSError, ValueError) as err:
@@ -335,18 +381,35 @@ def _alias_checks(env: Mapping[str, str], found: list[EnvCheck]) -> list[EnvChec
     return checks
 
 
-def _check_metrics_file(path: str) -> str:
+def _check_output_file(var: str, path: str) -> str:
+    """A file the engine writes (``OEA_METRICS_FILE`` appended to, ``OEA_TRACE_FILE`` replaced): writable."""
     import pathlib
 
-    target = pathlib.Path(path)
-    folder = target.parent
+    if var == "OEA_TRACE_FILE":
+        trace_settings_from_env({var: path})  # the suffix
+    target, folder = pathlib.Path(path), pathlib.Path(path).parent
     if target.is_dir():
-        raise ValueError(f"OEA_METRICS_FILE={path!r} is a folder; name a file to append JSON lines to")
+        raise ValueError(f"{var}={path!r} is a folder; name a file to write to")
     if not folder.is_dir():
-        raise ValueError(f"OEA_METRICS_FILE={path!r}: folder {str(folder)!r} does not exist")
-    if not os.access(target if target.exists() else folder, os.W_OK):
-        raise ValueError(f"OEA_METRICS_FILE={path!r} is not writable")
-    return f"{path} ({'exists, lines are appended' if target.exists() else 'created on the first step'})"
+        raise ValueError(f"{var}={path!r}: folder {str(folder)!r} does not exist")
+    if not os.access(target if target.exists() else folder, os.W_OK) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{var}={path!r} is not writable")
+    if var == "OEA_METRICS_FILE":
+        return f"{path} ({'exists, lines are appended' if target.exists() else 'created on the first step'})"
+    return f"{path} ({'exists, replaced' if target.exists() else 'written'} when the server stops or at the cap)"
+
+
+def _trace_option(env: Mapping[str, str], var: str) -> str:
+    """One option of OEA_TRACE_FILE, parsed alone (each bad value is reported against its own variable)."""
+    settings = trace_settings_from_env({var: env[var], "OEA_TRACE_FILE": "x.safetensors"})
+    assert settings is not None
+    if not env.get("OEA_TRACE_FILE", "").strip():
+        return "no effect: OEA_TRACE_FILE is unset"
+    if var == "OEA_TRACE_SAMPLE":
+        return f"records {settings.sample:.0%} of decode steps"
+    if var == "OEA_TRACE_MAX_MB":
+        return f"recording stops at {settings.max_bytes / 2**20:g} MB"
+    return "full router logits" if settings.content == "logits" else "top-k ids and router probabilities"
 
 
 def _check_layer_k0_file(env: Mapping[str, str], path: str) -> str:

@@ -114,3 +114,30 @@ def test_check_k0_against_names_the_variable() -> None:
         check_k0_against(OEAConfig(k0=9), top_k=8, variable="SGLANG_OEA_K0")
     with pytest.raises(ValueError, match=r"^OEA_K0 "):
         check_k0_against(OEAConfig(k0=3), top_k=2)
+
+
+def test_trace_variables_are_read_with_their_defaults() -> None:
+    from oea.config import TraceSettings, trace_settings_from_env
+
+    assert trace_settings_from_env({"OEA_TRACE_SAMPLE": "0.5"}) is None  # options without the file: no recording
+    assert trace_settings_from_env({"OEA_TRACE_FILE": " /tmp/t.safetensors "}) == TraceSettings(
+        "/tmp/t.safetensors", 1.0, 1024 * 2**20, "logits")
+    got = trace_settings_from_env({"OEA_TRACE_FILE": "/tmp/t.safetensors", "OEA_TRACE_SAMPLE": "0.25",
+                                   "OEA_TRACE_MAX_MB": "0.5", "OEA_TRACE_CONTENT": "topk"})
+    assert got == TraceSettings("/tmp/t.safetensors", 0.25, 2**19, "topk")
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OEA_TRACE_FILE": "/tmp/trace.bin"}, "OEA_TRACE_FILE must name a .safetensors file"),
+    ({"OEA_TRACE_SAMPLE": "0"}, "OEA_TRACE_SAMPLE must be a number in (0, 1], got '0'"),
+    ({"OEA_TRACE_SAMPLE": "1.5"}, "OEA_TRACE_SAMPLE must be a number in (0, 1], got '1.5'"),
+    ({"OEA_TRACE_MAX_MB": "-2"}, "OEA_TRACE_MAX_MB must be a number > 0, got '-2'"),
+    ({"OEA_TRACE_MAX_MB": "inf"}, "OEA_TRACE_MAX_MB must be a number > 0, got 'inf'"),
+    ({"OEA_TRACE_CONTENT": "ids"}, "OEA_TRACE_CONTENT must be one of ('logits', 'topk'), got 'ids'"),
+])
+def test_malformed_trace_variables_name_the_variable(env: dict[str, str], message: str) -> None:
+    from oea.config import trace_settings_from_env
+
+    with pytest.raises(ValueError) as err:
+        trace_settings_from_env({"OEA_TRACE_FILE": "/tmp/t.safetensors", **env})
+    assert str(err.value).startswith(message)

@@ -362,3 +362,23 @@ def test_sglang_target_check_tells_missing_from_broken(tmp_path: Path, monkeypat
     assert not gone["ok"] and gone["detail"].startswith("missing target oea_fake_engine.removed_module.fn")
     assert not broken["ok"] and "cannot import the module of oea_fake_engine.broken.fn: ImportError: libcuda.so.1" \
         in broken["detail"] and "installation problem" in broken["detail"]
+
+
+def test_trace_variables_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The recording's file must be writable (the plugins would only warn and record nothing); its options are
+    parsed as the plugins parse them, and say they do nothing without the file."""
+    good = _environment(monkeypatch, OEA_TRACE_FILE=str(tmp_path / "t.safetensors"), OEA_TRACE_SAMPLE="0.25",
+                        OEA_TRACE_MAX_MB="64", OEA_TRACE_CONTENT="topk")
+    assert all(good[name]["ok"] for name in ("OEA_TRACE_FILE", "OEA_TRACE_SAMPLE", "OEA_TRACE_MAX_MB",
+                                             "OEA_TRACE_CONTENT")), good
+    assert good["OEA_TRACE_SAMPLE"]["detail"] == "records 25% of decode steps"
+    assert good["OEA_TRACE_MAX_MB"]["detail"] == "recording stops at 64 MB"
+    assert "written when the server stops" in good["OEA_TRACE_FILE"]["detail"]
+    bad = _environment(monkeypatch, OEA_TRACE_FILE=str(tmp_path / "missing" / "t.safetensors"),
+                       OEA_TRACE_SAMPLE="2", OEA_TRACE_MAX_MB="8")
+    assert not bad["OEA_TRACE_FILE"]["ok"] and "does not exist" in bad["OEA_TRACE_FILE"]["detail"]
+    assert bad["OEA_TRACE_SAMPLE"]["detail"] == "OEA_TRACE_SAMPLE must be a number in (0, 1], got '2'"
+    assert bad["OEA_TRACE_MAX_MB"]["ok"], "one bad option is reported against its own variable only"
+    monkeypatch.delenv("OEA_TRACE_FILE")
+    alone = _environment(monkeypatch, OEA_TRACE_SAMPLE="0.5")["OEA_TRACE_SAMPLE"]
+    assert alone["ok"] and alone["detail"] == "no effect: OEA_TRACE_FILE is unset"
