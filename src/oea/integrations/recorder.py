@@ -1,0 +1,318 @@
+"""Recording decode-step routing from a serving engine (``OEA_TRACE_FILE``), shared by the vLLM and SGLang
+plugins; engine-free.
+
+Shape legend: M = rows of one router call, L = recorded MoE layers, N = routed experts, k = top-k.
+
+What runs where:
+
+* in every routing call of a recorded step, ``StepStaging.stage`` copies the call's router logits into a
+  persistent [L, capacity, N] float32 buffer on the model's device: one device copy, no host
+  synchronisation, so it can run inside a captured CUDA graph (the buffer's address never changes);
+* after the step, the adapter calls ``TraceRecorder.submit_step`` with the step id, the number of real
+  rows and their request ids and positions: on CUDA the buffer's rows are copied asynchronously to
+  pinned host memory and an event marks their arrival, on CPU they are copied at once; the step then goes
+  into a bounded queue (``put_nowait``: a full queue drops the step, counted and warned once, never
+  blocking the engine);
+* a background thread waits for each step's event, appends its rows to the file (``trace_file``) and,
+  when the size cap would be passed or the disk refuses a write, stops recording with one warning and
+  finishes the file; ``close`` (at process exit, or by the adapter) finishes it otherwise.
+
+Nothing here raises into the engine after start-up: a recording that cannot be written is a warning and
+serving goes on. The written trace holds ``logits`` (the router's own logits, in the dtype it produced
+them) or, with ``OEA_TRACE_CONTENT=topk``, the router's top-k ``ids`` and their probabilities
+(``scores``), plus ``request_ids``, ``positions`` and ``step_ids``; its sidecar says which
+(``recorded``) and why recording stopped (``stopped``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pathlib
+import queue
+import random
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from oea.config import TraceSettings
+from oea.integrations.trace_file import Column, TraceFileWriter
+from oea.routing import RouterSpec, route, router_scores
+
+QUEUE_STEPS = 64  # steps waiting for the writer before new ones are dropped
+CLOSE_TIMEOUT_S = 60.0
+
+
+def trace_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written (folder missing or read-only, a folder at the path), or None."""
+    target = pathlib.Path(path)
+    if target.is_dir():
+        return f"{path} is a folder"
+    if not target.parent.is_dir():
+        return f"folder {str(target.parent)!r} does not exist"
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"{path} is not writable"
+    return None
+
+
+def rank_path(path: str, rank: int) -> str:
+    """The file of one engine rank: ``path`` itself on rank 0, ``<stem>.rank<r>.safetensors`` on the others."""
+    if rank == 0:
+        return path
+    target = pathlib.Path(path)
+    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
+
+
+class StepStaging:
+    """The device buffer the routing calls of a recorded step copy their logits into.
+
+    Args:
+        num_layers: L, recorded layers (``stage`` takes the layer's index 0..L-1).
+        capacity: most rows kept per call (the engine's largest decode batch); rows beyond are not kept.
+        num_experts: N.
+        device: the model's device.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, num_experts: int, device: torch.device | str) -> None:
+        self.buffer = torch.zeros((num_layers, capacity, num_experts), dtype=torch.float32, device=device)
+        self.capacity = capacity
+        self.source_dtype = torch.float32  # the router's logits dtype, seen by the first stage call
+
+    def stage(self, layer: int, router_logits: torch.Tensor) -> None:
+        """Copy [M, N] logits into the buffer's layer ``layer`` (graph-safe: fixed addresses, no sync)."""
+        rows = min(int(router_logits.shape[0]), self.capacity)
+        self.buffer[layer, :rows].copy_(router_logits[:rows])
+        self.source_dtype = router_logits.dtype
+
+    def collect(self, rows: int) -> tuple[torch.Tensor, Any]:
+        """The first ``rows`` rows of every layer on the host: ([L, rows, N] float32, a CUDA event or None).
+
+        On CUDA the copy is asynchronous into pinned memory; the tensor is valid once the event completed.
+        """
+        source = self.buffer[:, :rows]
+        if source.device.type != "cuda":
+            return source.clone(), None
+        host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        host.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+
+@dataclass
+class _Step:
+    step_id: int
+    logits: torch.Tensor  # [L, M, N] float32 on the host
+    requests: list[Any]
+    positions: list[int]
+    ready: Any  # CUDA event or None
+
+
+class TraceRecorder:
+    """Sampling, the bounded queue and the writer thread of one engine process's recording.
+
+    Args:
+        settings: ``OEA_TRACE_*`` (sampling share, size cap, content).
+        path: the file this process writes (``rank_path`` of ``settings.path``).
+        spec: the recorded layers' router (the per-layer correction bias goes in ``layer_bias``).
+        staging: the device buffer the routing calls fill.
+        meta: sidecar fields (``model``, ``engine``, ``layer_names``, ``notes``, ...).
+        log: where warnings go (the engine's log).
+        layer_bias: [L, N] per-layer correction bias of sigmoid routers, or None.
+
+    Raises ``OSError`` / ``ValueError`` when the file cannot be created (``open_recorder`` turns that into
+    a warning).
+    """
+
+    def __init__(self, settings: TraceSettings, path: str, spec: RouterSpec, staging: StepStaging,
+                 meta: dict[str, Any], log: logging.Logger, layer_bias: torch.Tensor | None = None) -> None:
+        self.settings, self.spec, self.staging, self.log = settings, spec, staging, log
+        self.meta = dict(meta)
+        self.layer_bias = layer_bias
+        layers, n, k = staging.buffer.shape[0], spec.num_experts, spec.top_k
+        self._dtype = torch.float32  # fixed by the first step (the router's own dtype)
+        per_token = [Column("request_ids", (), torch.int32), Column("positions", (), torch.int32),
+                     Column("step_ids", (), torch.int32)]
+        if settings.content == "topk":
+            main = [Column("scores", (layers, k), torch.float32),
+                    Column("ids", (layers, k), torch.uint8 if n <= 256 else torch.int16)]
+        else:
+            main = [Column("logits", (layers, n), torch.float32)]
+        self._columns = main + per_token
+        self._fixed = {} if layer_bias is None else {"correction_bias": layer_bias.float()}
+        self._writer: TraceFileWriter | None = None
+        self._path = path
+        self._open_writer()
+        self._random = random.Random(0)
+        self._queue: queue.Queue[_Step | None] = queue.Queue(maxsize=QUEUE_STEPS)
+        self._request_numbers: dict[Any, int] = {}
+        self._lock = threading.Lock()
+        self.steps = self.dropped = 0
+        self.stopped: str | None = None  # why recording stopped (no step is sampled after it is set)
+        self._halted = False  # the writer stopped early (size cap, write error): queued steps are not written
+        self._warned: set[str] = set()
+        self.finished: pathlib.Path | None = None
+        self._thread = threading.Thread(target=self._run, name="oea-trace", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+        try:  # multiprocessing children (vLLM / SGLang workers) run these at exit, not atexit's
+            from multiprocessing import util
+
+            util.Finalize(self, self.close, exitpriority=10)
+        except ImportError:  # pragma: no cover - part of the standard library
+            pass
+
+    def _open_writer(self, dtype: torch.dtype = torch.float32) -> None:
+        if self._writer is not None:
+            self._writer.discard()
+        columns = [replace(c, dtype=dtype) if c.name in ("logits", "scores") else c for c in self._columns]
+        self._writer = TraceFileWriter(self._path, columns, self.settings.max_bytes, self._fixed)
+        self._dtype = dtype
+
+    # ----------------------------------------------------------------- the engine side (never blocks)
+
+    def sample_step(self) -> bool:
+        """Whether the next decode step is recorded (``OEA_TRACE_SAMPLE``; False once recording stopped)."""
+        if self.stopped is not None:
+            return False
+        return self.settings.sample >= 1.0 or self._random.random() < self.settings.sample
+
+    def submit_step(self, step_id: int, rows: int, requests: list[Any], positions: list[int]) -> None:
+        """Hand the staged rows of step ``step_id`` to the writer: ``rows`` real rows (the first ones of each
+        call), one request id and position each. Drops the step when the queue is full."""
+        if self.stopped is not None or rows < 1:
+            return
+        if rows > self.staging.capacity or len(requests) != rows or len(positions) != rows:
+            self._warn_once("rows", f"oea: a decode step of {rows} rows with {len(requests)} request ids does not fit "
+                                    f"the recording (at most {self.staging.capacity} rows); such steps are skipped")
+            return
+        logits, ready = self.staging.collect(rows)
+        try:
+            self._queue.put_nowait(_Step(step_id, logits, list(requests), [int(p) for p in positions], ready))
+        except queue.Full:
+            self.dropped += 1
+            self._warn_once("full", "oea: the trace writer falls behind the engine; steps are dropped (counted in "
+                                    "the sidecar's steps_dropped) rather than slowing the step")
+
+    def close(self) -> pathlib.Path | None:
+        """Stop recording and finish the file (idempotent); returns the trace, or None when none was written."""
+        with self._lock:
+            if self.stopped is None:
+                self.stopped = "the engine stopped"
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=CLOSE_TIMEOUT_S)
+            self._thread.join(CLOSE_TIMEOUT_S)
+        return self._finish()
+
+    # ----------------------------------------------------------------- the writer thread
+
+    def _run(self) -> None:
+        while True:
+            step = self._queue.get()
+            if step is None:
+                return
+            if self._halted:
+                continue
+            try:
+                self._write(step)
+            except Exception as err:  # a full disk, a vanished folder: stop, keep what is written, serve on
+                self._stop(f"writing failed ({type(err).__name__}: {err})")
+
+    def _write(self, step: _Step) -> None:
+        if step.ready is not None:
+            step.ready.synchronize()
+        writer = self._writer
+        assert writer is not None
+        source = self.staging.source_dtype
+        if writer.tokens == 0 and self.settings.content == "logits" and source in (torch.float16, torch.bfloat16) \
+                and source != self._dtype:
+            self._open_writer(source)  # keep the router's own dtype (exact, and smaller than float32)
+            writer = self._writer
+            assert writer is not None
+        rows = len(step.requests)
+        if not writer.fits(rows):
+            self._stop(f"the size cap OEA_TRACE_MAX_MB={self.settings.max_bytes / 2**20:g} was reached")
+            return
+        logits = step.logits.transpose(0, 1)  # [M, L, N]
+        numbers = [self._request_numbers.setdefault(r, len(self._request_numbers)) for r in step.requests]
+        data = {"request_ids": torch.tensor(numbers, dtype=torch.int32),
+                "positions": torch.tensor(step.positions, dtype=torch.int32),
+                "step_ids": torch.full((rows,), step.step_id, dtype=torch.int32)}
+        if self.settings.content == "topk":
+            data.update(self._top_k(logits))
+        else:
+            data["logits"] = logits.to(self._dtype).contiguous()
+        writer.append(data)
+        self.steps += 1
+
+    def _top_k(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[M, L, N] logits -> the router's own top-k ``ids`` and their probabilities ``scores`` ([M, L, k])."""
+        ids, scores = [], []
+        for layer in range(logits.shape[1]):
+            spec = self.spec if self.layer_bias is None else replace(self.spec, correction_bias=self.layer_bias[layer])
+            layer_ids, _ = route(logits[:, layer], spec)
+            ids.append(layer_ids)
+            scores.append(router_scores(logits[:, layer], spec).weight.gather(1, layer_ids))
+        id_dtype = torch.uint8 if self.spec.num_experts <= 256 else torch.int16
+        return {"ids": torch.stack(ids, 1).to(id_dtype).contiguous(), "scores": torch.stack(scores, 1).contiguous()}
+
+    def _stop(self, why: str) -> None:
+        with self._lock:
+            if self._halted:
+                return
+            self._halted, self.stopped = True, why
+        self.log.warning("oea: recording to %s stops: %s; serving continues", self._path, why)
+        self._finish()
+
+    def _finish(self) -> pathlib.Path | None:
+        with self._lock:
+            writer = self._writer
+            if writer is None or writer.closed:
+                return self.finished
+            if writer.tokens == 0:
+                writer.discard()
+                self.log.warning("oea: no decode step was recorded; no trace written to %s", self._path)
+                return None
+            meta = {**self.meta, "steps_recorded": self.steps, "steps_dropped": self.dropped,
+                    "stopped": self.stopped or "the engine stopped", "sample": self.settings.sample,
+                    "request_names": [str(r) for r in self._request_numbers],
+                    "recorded": self._recorded()}
+            try:
+                self.finished = writer.finish(meta, self.spec)
+            except Exception as err:  # e.g. the disk is full: free it rather than leave a broken file
+                writer.discard()
+                self.log.warning("oea: the trace %s could not be finished (%s: %s); it was removed", self._path,
+                                 type(err).__name__, err)
+                return None
+        self.log.info("oea: trace of %d decode steps (%d tokens) written to %s", self.steps, writer.tokens,
+                      self.finished)
+        return self.finished
+
+    def _recorded(self) -> str:
+        if self.settings.content == "topk":
+            return f"the router's top-{self.spec.top_k} ids and their probabilities (OEA_TRACE_CONTENT=topk)"
+        return f"full router logits ({str(self._dtype).removeprefix('torch.')})"
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.log.warning(message)
+
+
+def open_recorder(settings: TraceSettings, path: str, spec: RouterSpec, staging: StepStaging,
+                  meta: dict[str, Any], log: logging.Logger, layer_bias: torch.Tensor | None = None
+                  ) -> TraceRecorder | None:
+    """A running ``TraceRecorder``, or None with one warning when the file cannot be written."""
+    problem = trace_path_problem(path)
+    if problem is None:
+        try:
+            return TraceRecorder(settings, path, spec, staging, meta, log, layer_bias)
+        except (OSError, ValueError) as err:
+            problem = f"{type(err).__name__}: {err}"
+    log.warning("oea: OEA_TRACE_FILE=%s cannot be written (%s); serving without recording", path, problem)
+    return None

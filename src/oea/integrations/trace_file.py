@@ -1,0 +1,172 @@
+"""An ``oea-trace`` file that grows while an engine serves: rows are written as they come, the header and
+the JSON sidecar when it is finished (``TraceFileWriter``), so recording never holds the trace in memory.
+
+Shape legend: T = recorded tokens, L = recorded MoE layers, N = routed experts, k = top-k.
+
+The file is a plain ``.safetensors`` file (the format of ``oea.traces``; ``docs/traces.md``). Safetensors
+stores each tensor as one contiguous byte range, but every tensor of a trace grows with T. The writer
+therefore gives each tensor a region sized for the most tokens the size cap allows (``capacity``) and
+writes row t of tensor i at ``region_i + t * row_bytes_i``; the regions past the first stay sparse on
+disk until ``finish`` moves them down behind the first (only the small tensors move: request ids,
+positions and step ids, or the ids of a top-k recording), truncates the file and writes the header into
+the space reserved at its start. A file that is not finished (the process was killed) has no sidecar,
+so ``oea`` refuses to load it instead of reading half-written rows.
+
+This module knows the format's names (``FORMAT_NAME``, ``FORMAT_VERSION``, the sidecar fields) without
+importing ``oea.traces`` (a tool, which adapters may not import); a unit test holds the two equal, and
+every finished file is loaded and validated by ``oea.traces`` in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oea.routing import RouterSpec
+
+FORMAT_NAME = "oea-trace"
+FORMAT_VERSION = 1
+SPEC_FIELDS = ("num_experts", "top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor")
+HEADER_BYTES = 4096  # 8-byte length + JSON header padded with spaces; tensor data starts here
+COPY_CHUNK = 8 * 2**20
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
+           torch.uint8: "U8", torch.int16: "I16"}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor of the trace: ``name``, its per-token shape (``()`` for [T], ``(L, N)`` for [T, L, N]), dtype."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        count = 1
+        for size in self.row_shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+class TraceFileWriter:
+    """Writes one trace: ``append`` token rows (in the columns' order), then ``finish`` once.
+
+    Args:
+        path: the ``.safetensors`` file (replaced; an old sidecar next to it is removed at once).
+        columns: the per-token tensors; the first is written in place and should be the largest.
+        max_bytes: size cap of the finished file (header included); ``capacity`` tokens fit in it.
+        fixed: tensors that do not grow with T (``correction_bias`` [L, N]), written at the end.
+
+    Raises ``OSError`` when the file cannot be created and ``ValueError`` when not even one token fits.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], columns: list[Column], max_bytes: int,
+                 fixed: dict[str, torch.Tensor] | None = None) -> None:
+        self.path = pathlib.Path(path)
+        self.columns = columns
+        self.fixed = {name: tensor.detach().cpu().contiguous() for name, tensor in (fixed or {}).items()}
+        fixed_bytes = sum(t.numel() * t.element_size() for t in self.fixed.values())
+        token_bytes = sum(c.row_bytes for c in columns)
+        self.capacity = (max_bytes - HEADER_BYTES - fixed_bytes) // token_bytes
+        if self.capacity < 1:
+            raise ValueError(f"a size cap of {max_bytes} bytes holds no token ({token_bytes} bytes each)")
+        self.regions = [HEADER_BYTES + sum(c.row_bytes for c in columns[:i]) * self.capacity
+                        for i in range(len(columns))]
+        self.tokens = 0
+        self.sidecar = self.path.with_suffix(".json")
+        self.sidecar.unlink(missing_ok=True)
+        self._file = open(self.path, "w+b")  # noqa: SIM115 - held open while recording, closed by finish
+        self._file.write(b"\0" * HEADER_BYTES)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether ``tokens`` more tokens stay within the size cap."""
+        return self.tokens + tokens <= self.capacity
+
+    def append(self, rows: dict[str, torch.Tensor]) -> None:
+        """Write M token rows: ``rows[name]`` is [M, *row_shape] in the column's dtype (CPU, contiguous).
+
+        The token count advances only when every column is written, so after an ``OSError`` (a full disk)
+        the file still ends at the last whole step.
+        """
+        count = None
+        for column, region in zip(self.columns, self.regions, strict=True):
+            data = rows[column.name]
+            if data.dtype != column.dtype or tuple(data.shape[1:]) != column.row_shape:
+                raise ValueError(f"{column.name}: expected [M, {column.row_shape}] {column.dtype}, got "
+                                 f"{tuple(data.shape)} {data.dtype}")
+            if count is not None and data.shape[0] != count:
+                raise ValueError(f"{column.name}: {data.shape[0]} rows, other columns {count}")
+            count = int(data.shape[0])
+            self._file.seek(region + self.tokens * column.row_bytes)
+            self._file.write(_bytes(data))
+        self.tokens += count or 0
+
+    def finish(self, meta: dict[str, Any], spec: RouterSpec) -> pathlib.Path:
+        """Compact the regions, write the header and the sidecar (``meta`` plus the format's own fields)."""
+        f, t = self._file, self.tokens
+        offset = HEADER_BYTES
+        header: dict[str, Any] = {}
+        for column, region in zip(self.columns, self.regions, strict=True):
+            size = t * column.row_bytes
+            if region != offset:
+                _move(f, region, offset, size)
+            header[column.name] = {"dtype": _DTYPES[column.dtype], "shape": [t, *column.row_shape],
+                                   "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
+            offset += size
+        for name, tensor in self.fixed.items():
+            size = tensor.numel() * tensor.element_size()
+            f.seek(offset)
+            f.write(_bytes(tensor))
+            header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
+            offset += size
+        f.truncate(offset)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        if len(text) > HEADER_BYTES - 8:
+            raise ValueError(f"trace header of {len(text)} bytes does not fit the {HEADER_BYTES - 8} reserved")
+        f.seek(0)
+        f.write(struct.pack("<Q", HEADER_BYTES - 8) + text + b" " * (HEADER_BYTES - 8 - len(text)))
+        f.close()
+        sidecar = {**meta, "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_tokens": t,
+                   "num_layers": _num_layers(self.columns), "spec": {n: getattr(spec, n) for n in SPEC_FIELDS},
+                   "tensors": sorted(header)}
+        self.sidecar.write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        return self.path
+
+    def discard(self) -> None:
+        """Close and remove the unfinished file (frees a full disk when finishing failed)."""
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+
+def _num_layers(columns: list[Column]) -> int:
+    return next(c.row_shape[0] for c in columns if len(c.row_shape) == 2)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor (bfloat16 included), without a copy."""
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy())
+
+
+def _move(f: Any, source: int, target: int, size: int) -> None:
+    """Copy ``size`` bytes from ``source`` to a lower ``target`` in the same file, front to back (safe
+    for overlapping ranges because each chunk is read before anything at or after it is written)."""
+    done = 0
+    while done < size:
+        f.seek(source + done)
+        chunk = f.read(min(COPY_CHUNK, size - done))
+        f.seek(target + done)
+        f.write(chunk)
+        done += len(chunk)

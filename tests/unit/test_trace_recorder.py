@@ -1,0 +1,247 @@
+"""The engine-free trace recorder (``OEA_TRACE_FILE``): what it writes loads as a validated ``oea-trace`` and
+replays in ``oea simulate --mode lockstep``; sampling, the size cap, a full disk, an unwritable path and a
+writer that falls behind each stop or skip recording with one warning and never raise into the engine."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+import oea
+import oea.integrations.recorder as recorder_module
+from oea.config import TraceSettings
+from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
+from oea.integrations.trace_file import FORMAT_NAME, FORMAT_VERSION, SPEC_FIELDS, TraceFileWriter
+from oea.routing import RouterSpec
+from oea.sim import make_batches, simulate
+from oea.traces import load_trace
+
+torch.set_num_threads(1)
+N, K, L = 32, 4, 3
+LOG = logging.getLogger("test.recorder")
+
+
+def _settings(path: pathlib.Path, **kw: object) -> TraceSettings:
+    return TraceSettings(str(path), **kw)  # type: ignore[arg-type]
+
+
+def _recorder(tmp_path: pathlib.Path, capacity: int = 8, spec: RouterSpec | None = None, bias=None,
+              **kw: object) -> TraceRecorder:
+    staging = StepStaging(L, capacity, N, "cpu")
+    rec = open_recorder(_settings(tmp_path / "t.safetensors", **kw), str(tmp_path / "t.safetensors"),
+                        spec or RouterSpec(N, K), staging, {"model": "unit", "kind": "unit test"}, LOG, bias)
+    assert rec is not None
+    return rec
+
+
+def _step(rec: TraceRecorder, step_id: int, logits: torch.Tensor, requests: list, positions: list,
+          padding: int = 0) -> None:
+    """One engine step: every layer's routing call stages [M + padding, N] logits, then the step is submitted."""
+    for layer in range(L):
+        padded = torch.cat([logits[:, layer], torch.full((padding, N), 99.0, dtype=logits.dtype)])
+        rec.staging.stage(layer, padded)
+    rec.submit_step(step_id, logits.shape[0], requests, positions)
+
+
+def _logits(rows: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(rows, L, N, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+def test_format_names_agree_with_the_trace_package() -> None:
+    import oea.traces.format as fmt
+
+    assert (FORMAT_NAME, FORMAT_VERSION) == (fmt.FORMAT_NAME, fmt.FORMAT_VERSION)
+    assert SPEC_FIELDS == fmt._SPEC_FIELDS
+
+
+def test_recorded_steps_load_as_a_validated_trace_with_every_row(tmp_path: pathlib.Path) -> None:
+    """Three steps of 5, 8 and 3 real rows (the last with padding rows after them): the trace holds exactly
+    the real rows, the router's bfloat16 logits bit for bit, request numbers by first appearance,
+    positions and step ids."""
+    rec = _recorder(tmp_path)
+    steps = [(10, _logits(5, 1), ["a", "b", "c", "d", "e"], [7, 3, 9, 4, 12], 0),
+             (11, _logits(8, 2), ["a", "b", "c", "d", "e", "f", "g", "h"], [8, 4, 10, 5, 13, 2, 2, 6], 0),
+             (13, _logits(3, 3), ["h", "z", "a"], [7, 0, 9], 5)]
+    for step_id, logits, requests, positions, padding in steps:
+        _step(rec, step_id, logits, requests, positions, padding)
+    path = rec.close()
+    assert path == tmp_path / "t.safetensors"
+    trace = load_trace(str(path))
+    assert trace.num_tokens == 16 and trace.num_layers == L
+    assert (trace.spec.num_experts, trace.spec.top_k, trace.spec.scoring) == (N, K, "softmax")
+    torch.testing.assert_close(trace.logits, torch.cat([s[1] for s in steps]).float(), rtol=0, atol=0)
+    assert trace.step_ids.tolist() == [10] * 5 + [11] * 8 + [13] * 3
+    assert trace.positions.tolist() == [p for s in steps for p in s[3]]
+    names = trace.meta["request_names"]
+    assert [names[i] for i in trace.request_ids.tolist()] == [r for s in steps for r in s[2]]
+    assert names[:3] == ["a", "b", "c"]
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    assert sidecar["recorded"] == "full router logits (bfloat16)" and sidecar["steps_recorded"] == 3
+    assert sidecar["stopped"] == "the engine stopped" and sidecar["steps_dropped"] == 0
+    assert sidecar["model"] == "unit"
+    # the on-disk size: header + 16 tokens x (L x N bf16 + 3 int32)
+    assert path.stat().st_size == 4096 + 16 * (L * N * 2 + 12)
+
+
+def test_the_recording_replays_in_lockstep_with_each_step_as_the_engine_batched_it(tmp_path: pathlib.Path) -> None:
+    rec = _recorder(tmp_path)
+    logits = {s: _logits(8, s) for s in range(6)}
+    for s, x in logits.items():
+        _step(rec, s, x, [f"r{i}" for i in range(8)], [s] * 8)
+    trace = load_trace(str(rec.close()))
+    rows = simulate(trace, policies=["vanilla"], batch_sizes=[8], mode="lockstep", num_batches=40, seed=0)
+    spec = RouterSpec(N, K)
+    per_step = {s: [int(oea.active_experts(*oea.route(x[:, layer].float(), spec))) for layer in range(L)]
+                for s, x in logits.items()}
+    mean_over_steps = sum(sum(v) for v in per_step.values()) / (len(per_step) * L)
+    assert rows[0]["mean_active_experts"] == pytest.approx(mean_over_steps, rel=0.05)
+    batches = make_batches(trace, 8, "lockstep", 40, torch.Generator().manual_seed(0))
+    by_batch = [per_step[int(trace.step_ids[b[0]])] for b in batches]
+    assert rows[0]["mean_active_experts"] == pytest.approx(sum(map(sum, by_batch)) / (40 * L), abs=1e-9)
+
+
+def test_top_k_content_records_the_router_ids_and_probabilities(tmp_path: pathlib.Path) -> None:
+    bias = torch.rand(L, N, generator=torch.Generator().manual_seed(5))
+    spec = RouterSpec(N, K, scoring="sigmoid")
+    rec = _recorder(tmp_path, spec=spec, bias=bias, content="topk")
+    x = _logits(6, 4, torch.float32)
+    _step(rec, 1, x, list(range(6)), list(range(6)))
+    trace = load_trace(str(rec.close()))
+    assert trace.logits is None and trace.ids.shape == (6, L, K)
+    torch.testing.assert_close(trace.correction_bias, bias)
+    for layer in range(L):
+        layer_spec = RouterSpec(N, K, scoring="sigmoid", correction_bias=bias[layer])
+        ids, _ = oea.route(x[:, layer], layer_spec)
+        assert torch.equal(trace.ids[:, layer], ids)
+        torch.testing.assert_close(trace.scores[:, layer], torch.sigmoid(x[:, layer]).gather(1, ids))
+    assert "top-4 ids" in trace.meta["recorded"]
+
+
+def test_sampling_records_the_requested_share_of_steps(tmp_path: pathlib.Path) -> None:
+    rec = _recorder(tmp_path, sample=0.25)
+    chosen = sum(rec.sample_step() for _ in range(4000))
+    assert 900 < chosen < 1100
+    rec.close()
+    always = _recorder(tmp_path, sample=1.0)
+    assert all(always.sample_step() for _ in range(100))
+    always.close()
+
+
+def test_the_size_cap_stops_recording_once_with_a_valid_trace(tmp_path: pathlib.Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    token_bytes = L * N * 2 + 12
+    rec = _recorder(tmp_path, max_bytes=4096 + 20 * token_bytes)  # 20 tokens: 2 steps of 8, not 3
+    with caplog.at_level(logging.WARNING, logger="test.recorder"):
+        for s in range(6):
+            _step(rec, s, _logits(8, s), [f"r{i}" for i in range(8)], [s] * 8)
+        deadline = time.monotonic() + 10
+        while rec.stopped is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not rec.sample_step(), "no step is sampled after the cap"
+        _step(rec, 99, _logits(8, 9), [f"r{i}" for i in range(8)], [0] * 8)  # still harmless
+        path = rec.close()
+    cap_warnings = [r for r in caplog.records if "size cap" in r.getMessage()]
+    assert len(cap_warnings) == 1 and "serving continues" in cap_warnings[0].getMessage()
+    trace = load_trace(str(path))
+    assert trace.num_tokens == 16 and trace.step_ids.tolist() == [0] * 8 + [1] * 8
+    assert path.stat().st_size <= 4096 + 20 * token_bytes
+    assert "OEA_TRACE_MAX_MB" in trace.meta["stopped"]
+
+
+def test_a_full_disk_stops_recording_once_and_keeps_the_whole_steps(tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    original = TraceFileWriter.append
+    calls = {"n": 0}
+
+    def append(self, rows):  # the third step's write finds the disk full
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, rows)
+
+    monkeypatch.setattr(TraceFileWriter, "append", append)
+    rec = _recorder(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="test.recorder"):
+        for s in range(5):
+            _step(rec, s, _logits(4, s), ["a", "b", "c", "d"], [s] * 4)
+        path = rec.close()
+    warnings = [r.getMessage() for r in caplog.records if "stops" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0]
+    trace = load_trace(str(path))
+    assert trace.step_ids.tolist() == [0] * 4 + [1] * 4
+    assert "No space left" in trace.meta["stopped"]
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
+def test_an_unwritable_path_is_a_warning_and_no_recorder(tmp_path: pathlib.Path, where: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "missing" / "t.safetensors" if where == "missing-folder" else tmp_path / "d.safetensors"
+    if where == "a-folder":
+        path.mkdir()
+    with caplog.at_level(logging.WARNING, logger="test.recorder"):
+        rec = open_recorder(_settings(path), str(path), RouterSpec(N, K), StepStaging(L, 4, N, "cpu"), {}, LOG)
+    assert rec is None
+    assert [r.getMessage() for r in caplog.records if "serving without recording" in r.getMessage()]
+
+
+def test_a_writer_that_falls_behind_drops_steps_without_blocking(tmp_path: pathlib.Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    original = TraceFileWriter.append
+
+    def slow_append(self, rows):
+        release.wait(30)
+        return original(self, rows)
+
+    monkeypatch.setattr(TraceFileWriter, "append", slow_append)
+    rec = _recorder(tmp_path)
+    started = time.monotonic()
+    for s in range(recorder_module.QUEUE_STEPS + 10):
+        _step(rec, s, _logits(2, s), ["a", "b"], [s, s])
+    assert time.monotonic() - started < 10, "submitting steps must not wait for the writer"
+    assert rec.dropped >= 9
+    release.set()
+    trace = load_trace(str(rec.close()))
+    assert trace.meta["steps_dropped"] == rec.dropped
+    assert trace.meta["steps_recorded"] + rec.dropped == recorder_module.QUEUE_STEPS + 10
+
+
+def test_no_recorded_step_writes_no_file(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    rec = _recorder(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="test.recorder"):
+        assert rec.close() is None
+    assert not (tmp_path / "t.safetensors").exists() and not (tmp_path / "t.json").exists()
+    assert any("no decode step was recorded" in r.getMessage() for r in caplog.records)
+
+
+def test_steps_larger_than_the_staging_capacity_are_skipped_with_a_warning(tmp_path: pathlib.Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    rec = _recorder(tmp_path, capacity=4)
+    with caplog.at_level(logging.WARNING, logger="test.recorder"):
+        _step(rec, 0, _logits(2, 0), ["a", "b"], [0, 0])
+        rec.submit_step(1, 6, list("abcdef"), [0] * 6)
+        rec.submit_step(2, 6, list("abcdef"), [0] * 6)
+    trace = load_trace(str(rec.close()))
+    assert trace.step_ids.tolist() == [0, 0]
+    assert len([r for r in caplog.records if "does not fit the recording" in r.getMessage()]) == 1
+
+
+def test_collected_rows_are_a_copy_taken_at_submit_time() -> None:
+    staging = StepStaging(2, 4, N, "cpu")
+    staging.stage(0, torch.ones(3, N))
+    host, event = staging.collect(3)
+    staging.stage(0, torch.zeros(3, N))
+    assert event is None and bool((host[0] == 1).all())
+
+
+def test_rank_paths() -> None:
+    assert rank_path("/x/t.safetensors", 0) == "/x/t.safetensors"
+    assert rank_path("/x/t.safetensors", 3) == "/x/t.rank3.safetensors"
