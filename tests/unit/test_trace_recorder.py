@@ -34,9 +34,15 @@ def _settings(path: pathlib.Path, **kw: object) -> TraceSettings:
 
 def _recorder(tmp_path: pathlib.Path, capacity: int = 8, spec: RouterSpec | None = None, bias=None,
               **kw: object) -> TraceRecorder:
-    staging = StepStaging(L, capacity, N, "cpu")
+    """A recorder of L layers: known up front, or (with a per-layer ``bias``) added one by one as SGLang does."""
+    if bias is None:
+        staging = StepStaging(capacity, N, "cpu", num_layers=L)
+    else:
+        staging = StepStaging(capacity, N, "cpu")
+        for layer in range(L):
+            assert staging.add_layer(bias[layer]) == layer
     rec = open_recorder(_settings(tmp_path / "t.safetensors", **kw), str(tmp_path / "t.safetensors"),
-                        spec or RouterSpec(N, K), staging, {"model": "unit", "kind": "unit test"}, LOG, bias)
+                        spec or RouterSpec(N, K), staging, {"model": "unit", "kind": "unit test"}, LOG)
     assert rec is not None
     return rec
 
@@ -187,7 +193,7 @@ def test_an_unwritable_path_is_a_warning_and_no_recorder(tmp_path: pathlib.Path,
     if where == "a-folder":
         path.mkdir()
     with caplog.at_level(logging.WARNING, logger="test.recorder"):
-        rec = open_recorder(_settings(path), str(path), RouterSpec(N, K), StepStaging(L, 4, N, "cpu"), {}, LOG)
+        rec = open_recorder(_settings(path), str(path), RouterSpec(N, K), StepStaging(4, N, "cpu", L), {}, LOG)
     assert rec is None
     assert [r.getMessage() for r in caplog.records if "serving without recording" in r.getMessage()]
 
@@ -235,7 +241,7 @@ def test_steps_larger_than_the_staging_capacity_are_skipped_with_a_warning(tmp_p
 
 
 def test_collected_rows_are_a_copy_taken_at_submit_time() -> None:
-    staging = StepStaging(2, 4, N, "cpu")
+    staging = StepStaging(4, N, "cpu", num_layers=2)
     staging.stage(0, torch.ones(3, N))
     host, event = staging.collect(3)
     staging.stage(0, torch.zeros(3, N))
@@ -245,3 +251,11 @@ def test_collected_rows_are_a_copy_taken_at_submit_time() -> None:
 def test_rank_paths() -> None:
     assert rank_path("/x/t.safetensors", 0) == "/x/t.safetensors"
     assert rank_path("/x/t.safetensors", 3) == "/x/t.rank3.safetensors"
+
+
+def test_layers_added_one_by_one_are_collected_in_order() -> None:
+    staging = StepStaging(4, N, "cpu")
+    for value in (1.0, 2.0, 3.0):
+        staging.stage(staging.add_layer(), torch.full((2, N), value))
+    host, _ = staging.collect(2)
+    assert host.shape == (3, 2, N) and host[:, :, 0].tolist() == [[1, 1], [2, 2], [3, 3]]

@@ -68,24 +68,34 @@ def rank_path(path: str, rank: int) -> str:
 
 
 class StepStaging:
-    """The device buffer the routing calls of a recorded step copy their logits into.
+    """The device buffers the routing calls of a recorded step copy their logits into, one per layer.
 
     Args:
-        num_layers: L, recorded layers (``stage`` takes the layer's index 0..L-1).
         capacity: most rows kept per call (the engine's largest decode batch); rows beyond are not kept.
         num_experts: N.
         device: the model's device.
+        num_layers: layers known up front (one [L, capacity, N] buffer); engines that meet their layers in
+            the first forward add them with ``add_layer`` instead (outside graph capture).
     """
 
-    def __init__(self, num_layers: int, capacity: int, num_experts: int, device: torch.device | str) -> None:
-        self.buffer = torch.zeros((num_layers, capacity, num_experts), dtype=torch.float32, device=device)
-        self.capacity = capacity
-        self.source_dtype = torch.float32  # the router's logits dtype, seen by the first stage call
+    def __init__(self, capacity: int, num_experts: int, device: torch.device | str, num_layers: int = 0) -> None:
+        self.capacity, self.num_experts, self.device = capacity, num_experts, torch.device(device)
+        self._whole = torch.zeros((num_layers, capacity, num_experts), device=device) if num_layers else None
+        self.layers: list[torch.Tensor] = list(self._whole) if self._whole is not None else []
+        self.biases: list[torch.Tensor | None] = [None] * num_layers  # per-layer correction bias (sigmoid routers)
+        self.source_dtype = torch.float32  # the router's logits dtype, seen by the stage calls
+
+    def add_layer(self, correction_bias: torch.Tensor | None = None) -> int:
+        """A new recorded layer (its buffer allocated now, so never inside a graph capture); returns its index."""
+        self.layers.append(torch.zeros((self.capacity, self.num_experts), device=self.device))
+        self.biases.append(correction_bias)
+        self._whole = None
+        return len(self.layers) - 1
 
     def stage(self, layer: int, router_logits: torch.Tensor) -> None:
-        """Copy [M, N] logits into the buffer's layer ``layer`` (graph-safe: fixed addresses, no sync)."""
+        """Copy [M, N] logits into layer ``layer``'s buffer (graph-safe: fixed addresses, no host sync)."""
         rows = min(int(router_logits.shape[0]), self.capacity)
-        self.buffer[layer, :rows].copy_(router_logits[:rows])
+        self.layers[layer][:rows].copy_(router_logits[:rows])
         self.source_dtype = router_logits.dtype
 
     def collect(self, rows: int) -> tuple[torch.Tensor, Any]:
@@ -93,7 +103,7 @@ class StepStaging:
 
         On CUDA the copy is asynchronous into pinned memory; the tensor is valid once the event completed.
         """
-        source = self.buffer[:, :rows]
+        source = self._whole[:, :rows] if self._whole is not None else torch.stack([b[:rows] for b in self.layers])
         if source.device.type != "cuda":
             return source.clone(), None
         host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
@@ -101,6 +111,12 @@ class StepStaging:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    def layer_bias(self) -> torch.Tensor | None:
+        """[L, N] correction bias of the recorded layers, or None when they have none."""
+        if not self.biases or any(b is None for b in self.biases):
+            return None
+        return torch.stack([b.detach().float().cpu() for b in self.biases])  # type: ignore[union-attr]
 
 
 @dataclass
@@ -118,35 +134,23 @@ class TraceRecorder:
     Args:
         settings: ``OEA_TRACE_*`` (sampling share, size cap, content).
         path: the file this process writes (``rank_path`` of ``settings.path``).
-        spec: the recorded layers' router (the per-layer correction bias goes in ``layer_bias``).
-        staging: the device buffer the routing calls fill.
-        meta: sidecar fields (``model``, ``engine``, ``layer_names``, ``notes``, ...).
+        spec: the recorded layers' router (without correction bias: ``staging`` holds it per layer).
+        staging: the device buffers the routing calls fill.
+        meta: sidecar fields (``model``, ``source``, ``layer_names``, ``notes``, ...).
         log: where warnings go (the engine's log).
-        layer_bias: [L, N] per-layer correction bias of sigmoid routers, or None.
 
-    Raises ``OSError`` / ``ValueError`` when the file cannot be created (``open_recorder`` turns that into
-    a warning).
+    The file is created by the first recorded step (when the layers are known); creating or writing it
+    can only fail inside the writer thread, which then stops recording with one warning.
     """
 
     def __init__(self, settings: TraceSettings, path: str, spec: RouterSpec, staging: StepStaging,
-                 meta: dict[str, Any], log: logging.Logger, layer_bias: torch.Tensor | None = None) -> None:
+                 meta: dict[str, Any], log: logging.Logger) -> None:
         self.settings, self.spec, self.staging, self.log = settings, spec, staging, log
         self.meta = dict(meta)
-        self.layer_bias = layer_bias
-        layers, n, k = staging.buffer.shape[0], spec.num_experts, spec.top_k
-        self._dtype = torch.float32  # fixed by the first step (the router's own dtype)
-        per_token = [Column("request_ids", (), torch.int32), Column("positions", (), torch.int32),
-                     Column("step_ids", (), torch.int32)]
-        if settings.content == "topk":
-            main = [Column("scores", (layers, k), torch.float32),
-                    Column("ids", (layers, k), torch.uint8 if n <= 256 else torch.int16)]
-        else:
-            main = [Column("logits", (layers, n), torch.float32)]
-        self._columns = main + per_token
-        self._fixed = {} if layer_bias is None else {"correction_bias": layer_bias.float()}
-        self._writer: TraceFileWriter | None = None
         self._path = path
-        self._open_writer()
+        self._writer: TraceFileWriter | None = None  # created by the first step (the layers are known then)
+        self._layers = 0
+        self._dtype = torch.float32
         self._random = random.Random(0)
         self._queue: queue.Queue[_Step | None] = queue.Queue(maxsize=QUEUE_STEPS)
         self._request_numbers: dict[Any, int] = {}
@@ -156,6 +160,7 @@ class TraceRecorder:
         self._halted = False  # the writer stopped early (size cap, write error): queued steps are not written
         self._warned: set[str] = set()
         self.finished: pathlib.Path | None = None
+        self._finishing = False
         self._thread = threading.Thread(target=self._run, name="oea-trace", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -166,12 +171,22 @@ class TraceRecorder:
         except ImportError:  # pragma: no cover - part of the standard library
             pass
 
-    def _open_writer(self, dtype: torch.dtype = torch.float32) -> None:
-        if self._writer is not None:
-            self._writer.discard()
-        columns = [replace(c, dtype=dtype) if c.name in ("logits", "scores") else c for c in self._columns]
-        self._writer = TraceFileWriter(self._path, columns, self.settings.max_bytes, self._fixed)
-        self._dtype = dtype
+    def _open_writer(self, layers: int) -> TraceFileWriter:
+        """The file, once the first step shows the layers and the router's dtype (kept: exact and compact)."""
+        n, k = self.spec.num_experts, self.spec.top_k
+        source = self.staging.source_dtype
+        self._dtype = source if source in (torch.float16, torch.bfloat16) else torch.float32
+        if self.settings.content == "topk":
+            columns = [Column("scores", (layers, k), torch.float32),
+                       Column("ids", (layers, k), torch.uint8 if n <= 256 else torch.int16)]
+        else:
+            columns = [Column("logits", (layers, n), self._dtype)]
+        columns += [Column("request_ids", (), torch.int32), Column("positions", (), torch.int32),
+                    Column("step_ids", (), torch.int32)]
+        bias = self.staging.layer_bias()
+        self._layers = layers
+        return TraceFileWriter(self._path, columns, self.settings.max_bytes,
+                               {} if bias is None else {"correction_bias": bias})
 
     # ----------------------------------------------------------------- the engine side (never blocks)
 
@@ -226,14 +241,13 @@ class TraceRecorder:
     def _write(self, step: _Step) -> None:
         if step.ready is not None:
             step.ready.synchronize()
+        if self._writer is None:
+            self._writer = self._open_writer(int(step.logits.shape[0]))
         writer = self._writer
-        assert writer is not None
-        source = self.staging.source_dtype
-        if writer.tokens == 0 and self.settings.content == "logits" and source in (torch.float16, torch.bfloat16) \
-                and source != self._dtype:
-            self._open_writer(source)  # keep the router's own dtype (exact, and smaller than float32)
-            writer = self._writer
-            assert writer is not None
+        if step.logits.shape[0] != self._layers:
+            self._warn_once("layers", f"oea: a step routed {step.logits.shape[0]} recorded layers, the trace has "
+                                      f"{self._layers}; such steps are skipped")
+            return
         rows = len(step.requests)
         if not writer.fits(rows):
             self._stop(f"the size cap OEA_TRACE_MAX_MB={self.settings.max_bytes / 2**20:g} was reached")
@@ -253,8 +267,10 @@ class TraceRecorder:
     def _top_k(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """[M, L, N] logits -> the router's own top-k ``ids`` and their probabilities ``scores`` ([M, L, k])."""
         ids, scores = [], []
+        biases = self.staging.biases
         for layer in range(logits.shape[1]):
-            spec = self.spec if self.layer_bias is None else replace(self.spec, correction_bias=self.layer_bias[layer])
+            bias = biases[layer] if layer < len(biases) else None
+            spec = self.spec if bias is None else replace(self.spec, correction_bias=bias.detach().float().cpu())
             layer_ids, _ = route(logits[:, layer], spec)
             ids.append(layer_ids)
             scores.append(router_scores(logits[:, layer], spec).weight.gather(1, layer_ids))
@@ -272,10 +288,12 @@ class TraceRecorder:
     def _finish(self) -> pathlib.Path | None:
         with self._lock:
             writer = self._writer
-            if writer is None or writer.closed:
+            if self._finishing:
                 return self.finished
-            if writer.tokens == 0:
-                writer.discard()
+            self._finishing = True
+            if writer is None or writer.tokens == 0:
+                if writer is not None:
+                    writer.discard()
                 self.log.warning("oea: no decode step was recorded; no trace written to %s", self._path)
                 return None
             meta = {**self.meta, "steps_recorded": self.steps, "steps_dropped": self.dropped,
@@ -305,14 +323,17 @@ class TraceRecorder:
 
 
 def open_recorder(settings: TraceSettings, path: str, spec: RouterSpec, staging: StepStaging,
-                  meta: dict[str, Any], log: logging.Logger, layer_bias: torch.Tensor | None = None
-                  ) -> TraceRecorder | None:
-    """A running ``TraceRecorder``, or None with one warning when the file cannot be written."""
+                  meta: dict[str, Any], log: logging.Logger) -> TraceRecorder | None:
+    """A running ``TraceRecorder``, or None with one warning when the file cannot be written.
+
+    An old trace's sidecar at ``path`` is removed at once, so it never describes the new file's tensors.
+    """
     problem = trace_path_problem(path)
     if problem is None:
         try:
-            return TraceRecorder(settings, path, spec, staging, meta, log, layer_bias)
-        except (OSError, ValueError) as err:
+            pathlib.Path(path).with_suffix(".json").unlink(missing_ok=True)
+            return TraceRecorder(settings, path, spec, staging, meta, log)
+        except OSError as err:
             problem = f"{type(err).__name__}: {err}"
     log.warning("oea: OEA_TRACE_FILE=%s cannot be written (%s); serving without recording", path, problem)
     return None
