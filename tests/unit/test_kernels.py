@@ -1,126 +1,154 @@
-"""``oea.kernels``: the fast routing kernels against the routing core (``oea.route``).
+"""``oea.kernels``: ``route_fast``'s dispatcher and the compiled numba kernel against the routing core.
 
-The numba kernel runs here as plain Python (a stand-in ``numba`` whose ``njit`` returns the function);
-the compiled kernel is checked the same way in .venv-vllm (tests/engines/test_vllm_plugin_hooks.py).
+Cases come from ``scripts/kernel_sweep.py``'s generator (families, sizes, padding, ties, bf16/fp16, NaN/±inf):
+ids bit-equal to ``oea.route`` slot by slot, weights within the stated tolerance and zero where the core's
+are. The 10,000-case sweep is the script itself (its figures are in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import sys
-import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import oea
 import oea.kernels.numba_cpu as numba_cpu
-from oea.kernels import fast_softmax_oea, numba_available, numba_softmax_oea
-from oea.routing import OEAConfig, RouterSpec, active_experts, route
+import oea.kernels.triton_gpu as triton_gpu
+from oea.kernels import KernelUnavailableError, choose_impl, numba_route, plan, route_fast
+from oea.routing import BudgetConfig, EPOEAConfig, ExpertPlacement
 
 torch.set_num_threads(1)
-N, K = 64, 8
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _dense(ids: torch.Tensor, weights: torch.Tensor, num_experts: int = N) -> torch.Tensor:
-    """[M, N] weight per expert (filler slots add 0)."""
-    return torch.zeros(ids.shape[0], num_experts).scatter_add(1, ids.long(), weights.float())
+def _load_sweep():
+    spec = importlib.util.spec_from_file_location("kernel_sweep", ROOT / "scripts" / "kernel_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
 
 
-def _tie_free_logits(rows: int, seed: int) -> torch.Tensor:
-    """A random permutation per row: no ties, so the expert choice is unique."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(N, generator=gen) for _ in range(rows)]).float() / 8
+SWEEP = _load_sweep()
 
 
-@pytest.fixture
-def python_numba(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``numba`` whose ``njit`` returns the function itself: the kernels run as plain Python."""
-    numba = types.ModuleType("numba")
-    numba.njit = lambda *args, **kwargs: (lambda fn: fn)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "numba", numba)
-    monkeypatch.setattr(numba_cpu, "_NUMBA", {})
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_numba_kernel_equals_route(seed):
+    logits, spec, cfg, valid = SWEEP.random_case(seed)
+    assert choose_impl(logits, spec, cfg) == "numba"
+    got = route_fast(logits, spec, cfg, valid, impl="numba")
+    assert SWEEP.mismatch(got, oea.route(logits, spec, cfg, valid)) is None
 
 
-# ---------------------------------------------------------------- fast_softmax_oea (PyTorch ops)
+def test_the_comparison_catches_what_it_must():
+    """The sweep's rule fails on a swapped slot, a zero that is not one, and a weight off by 1e-5."""
+    ids = torch.tensor([[3, 1, 3]])
+    weights = torch.tensor([[0.6, 0.4, 0.0]])
+    assert SWEEP.mismatch((ids, weights), (ids.clone(), weights.clone())) is None
+    assert "ids differ" in SWEEP.mismatch((ids[:, [1, 0, 2]], weights), (ids, weights))
+    assert "zero" in SWEEP.mismatch((ids, torch.tensor([[0.6, 0.4, 1e-30]])), (ids, weights))
+    assert "beyond" in SWEEP.mismatch((ids, weights + torch.tensor([[1e-5, 0, 0]])), (ids, weights))
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("k0", [1, 3, 8])
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_fast_path_matches_core_route(renormalize: bool, k0: int, rows: int) -> None:
-    gen = torch.Generator().manual_seed(rows * 10 + k0)
-    logits = torch.randn(rows, 64, generator=gen) * 2
-    spec = RouterSpec(64, 8, "softmax", renormalize)
-    ref_ids, ref_w = route(logits, spec, OEAConfig(k0=k0, min_batch=0))
-    weights, ids = fast_softmax_oea(logits, 8, k0, renormalize)
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (rows, 8)
-    torch.testing.assert_close(_dense(ids, weights), _dense(ref_ids, ref_w), atol=1e-6, rtol=1e-5)
-    assert int(active_experts(ids.long(), weights)) == int(active_experts(ref_ids, ref_w))
-    # Filler slots (weight 0) repeat one of the row's own used experts, never an extra one.
-    used = _dense(ids, weights) > 0
-    assert bool(used.gather(1, ids.long()).all())
+def test_ties_and_slot_order_on_a_hand_made_case():
+    """Equal logits go to the lower index; the baseline comes first, then the fill in rank order."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 2.0, 2.0], [3.0, 0.0, 0.0, 1.0, 2.0, 3.0]])
+    spec = oea.RouterSpec(6, 3)
+    ids, weights = route_fast(logits, spec, oea.OEAConfig(1, min_batch=0), impl="numba")
+    assert ids.tolist() == [[1, 0, 1], [0, 1, 0]]  # union {0, 1}: row 0 -> 1 then 0; fillers repeat slot 0
+    assert weights[:, 2].tolist() == [0.0, 0.0]
+    want = oea.route(logits, spec, oea.OEAConfig(1, min_batch=0))
+    assert SWEEP.mismatch((ids, weights), want) is None
 
 
-def test_fast_path_with_padding_rows() -> None:
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(6, 64, generator=gen) * 3
-    valid = torch.tensor([True, True, False, True, False, True])
-    spec = RouterSpec(64, 8, "softmax", True)
-    ref_ids, ref_w = route(logits, spec, OEAConfig(k0=2, min_batch=0), valid)
-    weights, ids = fast_softmax_oea(logits, 8, 2, True, valid)
-    torch.testing.assert_close(_dense(ids, weights), _dense(ref_ids, ref_w), atol=1e-6, rtol=1e-5)
-    # Padding rows keep their stock top-8.
-    stock = logits.topk(8).indices.sort(dim=1).values
-    assert torch.equal(ids[~valid].long().sort(dim=1).values, stock[~valid])
+def test_preallocated_int32_buffers():
+    """Adapters pass their own [M, k] buffers (vLLM's CPU MoE takes int32 ids)."""
+    logits = torch.randn(12, 64)
+    valid = torch.arange(12) < 9
+    spec = oea.RouterSpec(64, 8)
+    _, params = plan(logits, spec, oea.OEAConfig(3))
+    ids, weights = torch.empty(12, 8, dtype=torch.int32), torch.empty(12, 8)
+    out = numba_route(logits, params, None, valid, ids, weights)
+    assert out[0] is ids and out[1] is weights
+    assert SWEEP.mismatch((ids.long(), weights), oea.route(logits, spec, oea.OEAConfig(3), valid)) is None
 
 
-def test_fast_path_bf16_logits() -> None:
-    logits = (torch.randn(8, 64, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
-    weights, ids = fast_softmax_oea(logits, 8, 3, True)
-    ref_ids, ref_w = route(logits, RouterSpec(64, 8, "softmax", True), OEAConfig(k0=3, min_batch=0))
-    torch.testing.assert_close(_dense(ids, weights), _dense(ref_ids, ref_w), atol=1e-2, rtol=1e-2)
-    assert torch.allclose(weights.sum(dim=1), torch.ones(8), atol=1e-5)
+# ---------------------------------------------------------------- the dispatcher: fallbacks and errors
 
 
-# ---------------------------------------------------------------- numba_softmax_oea (compiled CPU kernel)
+@pytest.mark.parametrize("cfg", [
+    oea.OEAConfig(3, p=0.5),
+    BudgetConfig(12),
+    EPOEAConfig(3, ExpertPlacement.contiguous(64, 4)),
+], ids=["oea-p<1", "budget", "ep-oea"])
+def test_what_no_kernel_reproduces_falls_back_to_route(cfg, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel must not run for this config")
 
-CASES = [  # (rows, padding rows, k0, renormalize, dtype)
-    (6, [1, 4], 2, True, torch.float32),
-    (9, [0, 3, 7, 8], 1, True, torch.float32),
-    (8, [2, 3, 4, 5, 6], 3, False, torch.float32),
-    (7, [0, 5, 6], 2, True, torch.bfloat16),
-    (5, [], 8, False, torch.float32),
-]
-
-
-@pytest.mark.usefixtures("python_numba")
-@pytest.mark.parametrize(("rows", "padding", "k0", "renormalize", "dtype"), CASES)
-def test_numba_kernel_logic_with_several_padding_rows(rows: int, padding: list[int], k0: int, renormalize: bool,
-                                                      dtype: torch.dtype) -> None:
-    """The kernel's Python body (numba stand-in: njit = identity) against the routing core."""
-    logits = (_tie_free_logits(rows, seed=rows * 10 + k0) - 4).to(dtype)
-    valid = torch.ones(rows, dtype=torch.bool)
-    valid[padding] = False
-    out = numba_softmax_oea(logits, K, k0, renormalize, valid)
-    assert out is not None
-    weights, ids = out
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (rows, K)
-    ref_ids, ref_w = route(logits, RouterSpec(N, K, "softmax", renormalize), OEAConfig(k0, min_batch=0), valid)
-    torch.testing.assert_close(_dense(ids, weights), _dense(ref_ids, ref_w), atol=1e-6, rtol=1e-5)
-    used = _dense(ids, weights) > 0
-    assert bool(used.gather(1, ids.long()).all()), "filler slots must repeat one of the row's own experts"
+    monkeypatch.setattr("oea.kernels.dispatch.numba_route", refuse)
+    logits = torch.randn(10, 64)
+    spec = oea.RouterSpec(64, 8)
+    assert choose_impl(logits, spec, cfg) == "torch"
+    ids, weights = route_fast(logits, spec, cfg)
+    want_ids, want_weights = oea.route(logits, spec, cfg)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    with pytest.raises(KernelUnavailableError, match=r"cannot reproduce oea\.route"):
+        route_fast(logits, spec, cfg, impl="numba")
 
 
-@pytest.mark.usefixtures("python_numba")
-def test_numba_kernel_declines_what_it_cannot_take() -> None:
-    """A non-contiguous view is not handed to the kernel: None tells the caller to take the PyTorch path."""
-    logits = _tie_free_logits(6, seed=3)
-    assert numba_available()
-    assert numba_softmax_oea(logits.t().contiguous().t(), K, 2, True) is None
-    assert numba_softmax_oea(logits, K, 2, True) is not None
+def test_a_bias_with_non_finite_values_falls_back():
+    bias = torch.zeros(16)
+    bias[3] = float("nan")
+    spec = oea.RouterSpec(16, 4, "sigmoid", correction_bias=bias)
+    logits = torch.randn(5, 16)
+    assert choose_impl(logits, spec, oea.OEAConfig(2)) == "torch"
+    assert choose_impl(logits, oea.RouterSpec(16, 4, "sigmoid", correction_bias=torch.zeros(16)),
+                       oea.OEAConfig(2)) == "numba"
 
 
-def test_without_numba_the_kernel_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_numba_auto_falls_back_and_a_named_kernel_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
     monkeypatch.setattr(numba_cpu, "_NUMBA", {})
-    assert not numba_available()
-    assert numba_softmax_oea(_tie_free_logits(4, seed=0), K, 2, True) is None
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    logits, spec = torch.randn(6, 32), oea.RouterSpec(32, 4)
+    assert choose_impl(logits, spec, oea.OEAConfig(2)) == "torch"
+    assert torch.equal(route_fast(logits, spec, oea.OEAConfig(2))[0], oea.route(logits, spec, oea.OEAConfig(2))[0])
+    with pytest.raises(KernelUnavailableError, match="numba is not installed"):
+        route_fast(logits, spec, oea.OEAConfig(2), impl="numba")
+
+
+def test_triton_on_cpu_without_the_interpreter_or_without_triton(monkeypatch):
+    logits, spec = torch.randn(6, 32), oea.RouterSpec(32, 4)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KernelUnavailableError, match=r"CUDA tensors.*TRITON_INTERPRET=1"):
+        route_fast(logits, spec, None, impl="triton")
+    monkeypatch.setattr(triton_gpu, "_TRITON", {"available": False})
+    with pytest.raises(KernelUnavailableError, match="Triton is not installed"):
+        route_fast(logits, spec, None, impl="triton")
+
+
+def test_bad_impl_and_bad_arguments_are_route_s_errors():
+    logits, spec = torch.randn(6, 32), oea.RouterSpec(32, 4)
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'numba', 'triton', 'torch'\)"):
+        route_fast(logits, spec, None, impl="cuda")
+    for call in (lambda f: f(torch.randn(6, 31), spec), lambda f: f(logits, spec, oea.OEAConfig(5)),
+                 lambda f: f(logits, spec, None, torch.ones(5, dtype=torch.bool))):
+        with pytest.raises(ValueError) as fast_error:
+            call(route_fast)
+        with pytest.raises(ValueError) as core_error:
+            call(oea.route)
+        assert str(fast_error.value) == str(core_error.value)
+
+
+def test_route_fast_is_exported_and_forced_torch_is_route():
+    assert oea.route_fast is route_fast and "route_fast" in oea.__all__
+    logits, spec = torch.randn(6, 32), oea.RouterSpec(32, 4)
+    ids, weights = oea.route_fast(logits, spec, oea.OEAConfig(2), impl="torch")
+    want = oea.route(logits, spec, oea.OEAConfig(2))
+    assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])

@@ -1,17 +1,41 @@
-"""Fast implementations of OEA routing, engine-free (the layer between ``oea.routing`` and the adapters).
+"""Fast implementations of ``oea.route``, engine-free (the layer between ``oea.routing`` and the adapters).
 
-Each kernel computes what ``oea.route`` computes for the cases it covers (same ids, weights, filler rule
-and padding semantics) and is tested against it; ``oea.route`` stays the graph-safe reference.
+``route_fast(router_logits, spec, cfg=None, valid=None)`` (also ``oea.route_fast``) has ``oea.route``'s
+signature and results and runs the fastest implementation that reproduces them (``dispatch.py``):
 
-* ``fast_softmax_oea`` (``torch_softmax.py``): the simplified algorithm for ungrouped softmax routers in a
-  few PyTorch ops (any device, traceable by Dynamo).
-* ``numba_softmax_oea`` (``numba_cpu.py``): the same as one compiled CPU call; numba is imported on first
-  use, and the function returns None where numba is missing.
+* ``numba_cpu.py``: one compiled CPU call (numba, imported on first use);
+* ``triton_gpu.py``: two Triton launches on CUDA (Triton's interpreter runs them on CPU for the tests);
+* ``oea.route`` itself for anything a kernel cannot reproduce exactly (``params.py`` says what is covered).
 
-Kernels import nothing of the project but ``oea.routing``; numba (and later Triton) only inside functions.
+Kernels import nothing of the project but ``oea.routing``; numba and Triton only inside functions.
 """
 
-from oea.kernels.numba_cpu import numba_available, numba_softmax_oea
-from oea.kernels.torch_softmax import fast_softmax_oea
+from oea.kernels.dispatch import (
+    IMPLS,
+    WEIGHT_ATOL,
+    WEIGHT_RTOL,
+    KernelUnavailableError,
+    choose_impl,
+    plan,
+    route_fast,
+)
+from oea.kernels.numba_cpu import NumbaRouter, numba_available, numba_route
+from oea.kernels.params import KernelParams, kernel_params
+from oea.kernels.triton_gpu import triton_available, triton_route
 
-__all__ = ["fast_softmax_oea", "numba_available", "numba_softmax_oea"]
+__all__ = [
+    "IMPLS",
+    "WEIGHT_ATOL",
+    "WEIGHT_RTOL",
+    "KernelParams",
+    "KernelUnavailableError",
+    "NumbaRouter",
+    "choose_impl",
+    "kernel_params",
+    "numba_available",
+    "numba_route",
+    "plan",
+    "route_fast",
+    "triton_available",
+    "triton_route",
+]

