@@ -9,6 +9,7 @@ variable                    alias                       meaning
 ``OEA_MIN_BATCH``           ``SGLANG_OEA_MIN_BATCH``    vanilla routing below this many rows (2)
 ``OEA_MAX_EXPERTS``                                     cap per token after piggybacking (top_k)
 ``OEA_GROUP_FILL``                                      ``in`` or ``cross`` (grouped routers only)
+``OEA_POLICY``                                          ``oea`` or ``ep`` (EP-aware OEA, engine placement)
 ``OEA_APPLY_TO_VERIFY``                                 ``1`` also reroutes speculative verify steps
 ``OEA_LAYER_K0_FILE``                                   k0 per layer, optionally per batch-size range
                                                         (``LayerK0Schedule`` JSON; ``layer_k0_policies``)
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from oea.routing.schedules import AdaptiveK0Config, LayerK0Schedule
 from oea.routing.spec import GROUP_FILLS, OEAConfig
 
+POLICIES = ("oea", "ep")  # OEA_POLICY: plain OEA, or EP-aware OEA on the engine's own expert placement
 TRACE_CONTENTS = ("logits", "topk")  # full router logits, or the router's top-k ids and probabilities
 ALIASES: dict[str, str] = {"OEA_K0": "SGLANG_OEA_K0", "OEA_MIN_BATCH": "SGLANG_OEA_MIN_BATCH"}
 # Every variable OEA reads, with what it means (``check_environment`` names the closest one to a typo).
@@ -58,6 +60,7 @@ VARIABLES: dict[str, str] = {
     "SGLANG_OEA_MIN_BATCH": "alias of OEA_MIN_BATCH",
     "OEA_MAX_EXPERTS": "cap on experts per token after piggybacking (integer >= 1, default top_k)",
     "OEA_GROUP_FILL": f"grouped routers: piggyback {' or '.join(GROUP_FILLS)} the token's groups (default in)",
+    "OEA_POLICY": f"{' or '.join(POLICIES)}: ep = EP-aware OEA on the engine's expert placement (default oea)",
     "OEA_APPLY_TO_VERIFY": "1: also reroute speculative verify steps",
     "OEA_LAYER_K0_FILE": "per-layer (and per-batch-size) k0 file written by oea calibrate",
     "OEA_METRICS_FILE": "JSONL file the engine plugins append active-expert counts to",
@@ -89,6 +92,7 @@ class EnvSettings:
     min_batch: int | None = None  # OEA_MIN_BATCH when set (also without OEA_K0)
     max_experts: int | None = None  # OEA_MAX_EXPERTS when set
     group_fill: str = "in"  # OEA_GROUP_FILL
+    policy: str = "oea"  # OEA_POLICY
 
 
 def _parse_int(var: str, raw: str, minimum: int) -> int:
@@ -121,6 +125,14 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{name} must be one of {FLAG_VALUES}, got {env[name]!r}")
 
 
+def _choice(env: Mapping[str, str], name: str) -> str:
+    """A variable with fixed values (``OEA_GROUP_FILL``, ``OEA_POLICY``, ``OEA_TRACE_CONTENT``); blank: the first."""
+    allowed = {"OEA_GROUP_FILL": GROUP_FILLS, "OEA_POLICY": POLICIES, "OEA_TRACE_CONTENT": TRACE_CONTENTS}[name]
+    if (raw := env.get(name, "").strip()) and raw not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {raw!r}")
+    return raw or allowed[0]
+
+
 def _path(env: Mapping[str, str], name: str) -> str | None:
     """A file-path variable, stripped like every other variable; blank means unset."""
     return env.get(name, "").strip() or None
@@ -128,17 +140,14 @@ def _path(env: Mapping[str, str], name: str) -> str | None:
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     """Parse ``OEA_*`` (and the ``SGLANG_OEA_*`` aliases). Raises ``ValueError`` naming a bad variable."""
-    env = os.environ if env is None else env
-    source: dict[str, str] = {}
+    env, source = os.environ if env is None else env, {}
     k0 = _int(env, "OEA_K0", 1)
     min_batch = _int(env, "OEA_MIN_BATCH", 0)
     max_experts = _int(env, "OEA_MAX_EXPERTS", 1)
     for found in (k0, min_batch, max_experts):
         if found is not None:
             source[found[0]] = env[found[0]]
-    group_fill = env.get("OEA_GROUP_FILL", "").strip() or "in"
-    if group_fill not in GROUP_FILLS:
-        raise ValueError(f"OEA_GROUP_FILL must be one of {GROUP_FILLS}, got {group_fill!r}")
+    group_fill = _choice(env, "OEA_GROUP_FILL")
     cfg = None
     if k0 is not None:
         try:
@@ -159,6 +168,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         min_batch=None if min_batch is None else min_batch[1],
         max_experts=None if max_experts is None else max_experts[1],
         group_fill=group_fill,
+        policy=_choice(env, "OEA_POLICY"),
     )
 
 
@@ -205,9 +215,7 @@ def trace_settings_from_env(env: Mapping[str, str] | None = None) -> TraceSettin
     path = _path(env, "OEA_TRACE_FILE")
     sample = _positive_number(env, "OEA_TRACE_SAMPLE", 1.0)
     max_mb = _positive_number(env, "OEA_TRACE_MAX_MB")
-    content = env.get("OEA_TRACE_CONTENT", "").strip() or "logits"
-    if content not in TRACE_CONTENTS:
-        raise ValueError(f"OEA_TRACE_CONTENT must be one of {TRACE_CONTENTS}, got {content!r}")
+    content = _choice(env, "OEA_TRACE_CONTENT")
     if path is None:
         return None
     if not path.endswith(".safetensors"):
@@ -329,7 +337,7 @@ def check_environment(env: Mapping[str, str] | None = None) -> list[EnvCheck]:
     if settings.oea is None and settings.layer_k0_file is None:
         idle = [c.name for c in checks if c.ok and c.name in ("OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH",
                                                               "OEA_MAX_EXPERTS", "OEA_GROUP_FILL",
-                                                              "OEA_APPLY_TO_VERIFY")]
+                                                              "OEA_APPLY_TO_VERIFY", "OEA_POLICY")]
         if idle:
             verb = "has" if len(idle) == 1 else "have"
             checks.append(EnvCheck("OEA_K0", True, f"unset: OEA is off, so {', '.join(idle)} {verb} no effect"))
@@ -345,10 +353,8 @@ def _check_variable(env: Mapping[str, str], var: str) -> EnvCheck:
             detail = f"min_batch = {_parse_int(var, raw, 0)}"
         elif var == "OEA_MAX_EXPERTS":
             detail = f"max_experts = {_parse_int(var, raw, 1)}"
-        elif var == "OEA_GROUP_FILL":
-            if raw not in GROUP_FILLS:
-                raise ValueError(f"OEA_GROUP_FILL must be one of {GROUP_FILLS}, got {raw!r}")
-            detail = f"group_fill = {raw}"
+        elif var in ("OEA_GROUP_FILL", "OEA_POLICY"):
+            detail = f"{var[4:].lower()} = {_choice(env, var)}"
         elif var in ("OEA_APPLY_TO_VERIFY", "OEA_TIMING"):
             detail = f"{'on' if _flag(env, var) else 'off'}"
         elif var == "OEA_METRICS_FLUSH_S":

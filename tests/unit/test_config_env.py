@@ -141,3 +141,26 @@ def test_malformed_trace_variables_name_the_variable(env: dict[str, str], messag
     with pytest.raises(ValueError) as err:
         trace_settings_from_env({"OEA_TRACE_FILE": "/tmp/t.safetensors", **env})
     assert str(err.value).startswith(message)
+
+
+def test_policy_defaults_to_plain_oea_and_reads_ep() -> None:
+    assert settings_from_env({"OEA_K0": "3"}).policy == "oea"
+    assert settings_from_env({"OEA_K0": "3", "OEA_POLICY": " ep "}).policy == "ep"
+    assert settings_from_env({"OEA_K0": "3", "OEA_POLICY": ""}).policy == "oea"
+
+
+@pytest.mark.parametrize("raw", ["EP", "ep-oea", "expert"])
+def test_unknown_policy_is_refused_naming_the_allowed_values(raw: str) -> None:
+    with pytest.raises(ValueError, match=rf"^OEA_POLICY must be one of \('oea', 'ep'\), got '{raw}'$"):
+        settings_from_env({"OEA_K0": "3", "OEA_POLICY": raw})
+
+
+def test_environment_check_reports_the_policy() -> None:
+    from oea.config import check_environment
+
+    checks = {c.name: c for c in check_environment({"OEA_K0": "3", "OEA_POLICY": "ep"})}
+    assert checks["OEA_POLICY"].ok and checks["OEA_POLICY"].detail == "policy = ep"
+    bad = {c.name: c for c in check_environment({"OEA_K0": "3", "OEA_POLICY": "both"})}
+    assert not bad["OEA_POLICY"].ok and "one of ('oea', 'ep')" in bad["OEA_POLICY"].detail
+    idle = {c.name: c for c in check_environment({"OEA_POLICY": "ep"})}
+    assert idle["OEA_K0"].detail == "unset: OEA is off, so OEA_POLICY has no effect"
