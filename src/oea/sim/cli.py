@@ -93,14 +93,14 @@ def _simulate(args: argparse.Namespace) -> int:
             trace, policies=args.policies, k0s=args.k0, batch_sizes=args.batch_sizes, mode=args.mode,
             seed=args.seed, num_batches=args.num_batches, model_preset=preset.model if preset else None,
             gpu=args.gpu, tp=tp, ep=ep, progress=update, policy_options=policy_options,
-            precision=args.precision, max_batches=args.max_batches,
+            precision=args.precision, max_batches=args.max_batches, dp=args.dp,
         )
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     console = wide_console()
     console.print(simulation_table(trace.name, args, rows))
-    for line in simulation_notes(rows, args.num_batches is None):
+    for line in simulation_notes(rows, args.num_batches is None) + union_notes(rows):
         console.print(line)
     return 0
 
@@ -114,8 +114,11 @@ def simulation_table(name: str, args: argparse.Namespace, rows: list[dict[str, A
     how = f"auto for ±{100 * args.precision:g}% on T" if args.num_batches is None else "fixed"
     table = Table(title=f"{name} ({args.mode}, {batches} batches per B ({how}), seed {args.seed}; "
                         f"± = 95% interval over batches)")
-    columns = ["policy", "k0", "B", "batches", "T mean", "p50", "p95", "T / vanilla", "experts/token", "kept top-k",
-               "kept mass"]
+    dp = args.dp > 1
+    columns = ["policy", "k0", "B/rank" if dp else "B", *(["union"] if dp else []), "batches", "T mean", "p50",
+               "p95", "T / vanilla", "experts/token", "kept top-k", "kept mass"]
+    if dp:
+        columns.append(f"T per rank (dp={args.dp})")
     if args.ep:
         columns.append(f"max T/device (ep={args.ep})")
     latency = rows[0].get("latency_model") if rows else None
@@ -124,13 +127,16 @@ def simulation_table(name: str, args: argparse.Namespace, rows: list[dict[str, A
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
-        cells = [row["policy"], _fmt(row["k0"]), str(row["batch_size"]), str(row["num_batches"]),
+        cells = [row["policy"], _fmt(row["k0"]), str(row["batch_size"]), *([row["union"]] if dp else []),
+                 str(row["num_batches"]),
                  format_interval(row["mean_active_experts"], row["mean_active_experts_ci"]),
                  _fmt(row["p50_active_experts"]), _fmt(row["p95_active_experts"]),
                  format_interval(row["active_ratio_vs_vanilla"], row["active_ratio_vs_vanilla_ci"], 2),
                  format_interval(row["mean_experts_per_token"], row["mean_experts_per_token_ci"], 2),
                  format_interval(row["kept_topk_share"], row["kept_topk_share_ci"], 3),
                  format_interval(row["kept_mass"], row["kept_mass_ci"], 3)]
+        if dp:
+            cells.append(format_interval(row["per_rank_active_experts"], row["per_rank_active_experts_ci"]))
         if args.ep:
             cells.append(format_interval(row.get("max_device_active_experts"),
                                          row.get("max_device_active_experts_ci")))
@@ -154,6 +160,24 @@ def simulation_notes(rows: list[dict[str, Any]], auto: bool) -> list[str]:
         widest = max(rows, key=lambda r: r["t_ci_relative_half_width"])
         lines.append(f"widest T interval: ±{100 * widest['t_ci_relative_half_width']:.1f}% of the mean "
                      f"({_label(widest)}); omit --num-batches for ±1%")
+    return lines
+
+
+def union_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """With ``--dp``: what the global union buys over the local one at each (policy, k0, B)."""
+    from oea.sim.scaleout import union_comparison
+
+    lines = []
+    for item in union_comparison(rows):
+        proxy = item["proxy"]
+        device = ""
+        if "local_max_device_active_experts" in item:
+            device = (f", busiest device {item['local_max_device_active_experts']:.2f} -> "
+                      f"{item['global_max_device_active_experts']:.2f}")
+        lines.append(f"global vs local union, {item['policy']} k0={item['k0']} B={item['batch_size']}/rank x "
+                     f"dp={item['dp']}: {proxy} {item[f'local_{proxy}']:.3f} -> {item[f'global_{proxy}']:.3f} "
+                     f"({item[f'delta_{proxy}']:+.3f}), T {item['local_mean_active_experts']:.1f} -> "
+                     f"{item['global_mean_active_experts']:.1f}{device}")
     return lines
 
 
@@ -256,6 +280,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--ep", type=int_at_least(1), default=None,
                    help="expert-parallel degree: report the busiest device's active experts, and place "
                         "ep-oea's experts on N devices (contiguous blocks; default: no EP)")
+    p.add_argument("--dp", type=int_at_least(1), default=1,
+                   help="data-parallel ranks: B rows per rank (--batch-sizes), each policy routed with a local "
+                        "union per rank and a global one over all ranks; T and max T/device over all ranks")
     p.add_argument("--policy-option", nargs="+", default=None, metavar="POLICY:KEY=VALUE",
                    help="extra policy options, e.g. budget:budget=40 (VALUE parsed as JSON when possible)")
     p.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")

@@ -36,6 +36,7 @@ from oea.routing import RouterSpec, make_policy, policy_names, router_scores
 from oea.routing.catalog import needs_k0
 from oea.routing.spec import PrunedConfig
 from oea.sim.presets import ModelPreset
+from oea.sim.scaleout import UNIONS, per_rank_metric, route_step, step_batches
 from oea.sim.summary import (
     DEFAULT_PRECISION,
     MAX_BATCHES,
@@ -261,6 +262,7 @@ class _Setting:
     policy: str
     k0: int | None
     cfg: object | None
+    union: str | None = None  # dp > 1: "local" or "global" (oea.sim.scaleout)
 
 
 def _settings(
@@ -319,6 +321,7 @@ def simulate(
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
     precision: float = DEFAULT_PRECISION,
     max_batches: int = MAX_BATCHES,
+    dp: int = 1,
 ) -> list[dict[str, Any]]:
     """Replay ``trace`` through ``policies`` × ``k0s`` at each batch size; one result row per setting.
 
@@ -342,6 +345,10 @@ def simulate(
         policy_options: extra ``make_policy`` options per policy name, e.g.
             ``{"budget": {"budget": 40}}``.
         precision, max_batches: the automatic batch count (``num_batches=None``).
+        dp: data-parallel ranks: each step is ``dp`` batches of B rows (B per rank), routed with a ``local``
+            union per rank and a ``global`` one over the step (rows ``union``; ``oea.sim.scaleout``); T,
+            the busiest device and the quality proxy are over the whole step, ``per_rank_active_experts``
+            per rank. Batch-independent policies (vanilla, pruned) give one ``local`` row.
 
     Returns:
         Rows with ``trace``, ``mode``, ``policy``, ``k0``, ``batch_size``, ``num_batches``,
@@ -349,9 +356,10 @@ def simulate(
         ``mean_experts_per_token``, ``kept_topk_share``, ``kept_mass`` (or ``None``),
         ``active_ratio_vs_vanilla`` (when vanilla is simulated), ``per_layer_active_experts``,
         ``predicted_latency_us`` (or ``None``; ``latency_ratio_vs_vanilla``), ``max_device_active_experts``
-        (when ``ep``), ``note`` and the mean of every extra metric. Every mean and ratio has a
-        ``*_ci`` ``[low, high]`` 95% interval over the batches; ``t_ci_relative_half_width`` is T's
-        relative half-width (with ``t_ci_target`` and ``t_ci_target_met`` when the count was automatic).
+        (when ``ep``), ``dp``, ``union`` and ``per_rank_active_experts`` (when ``dp > 1``), ``note`` and the mean
+        of every extra metric. Every mean and ratio has a ``*_ci`` ``[low, high]`` 95% interval over the
+        batches; ``t_ci_relative_half_width`` is T's relative half-width (with ``t_ci_target`` and
+        ``t_ci_target_met`` when the count was automatic).
     """
     if isinstance(trace, str):
         trace = load_trace(trace)
@@ -362,13 +370,16 @@ def simulate(
                          f"{precision!r} and {max_batches!r}")
     if ep is not None and (not isinstance(ep, int) or ep < 1):
         raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
-    settings = list(_settings(policies, k0s, trace, policy_options or {}, ep))
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"dp must be an integer >= 1, got {dp!r}")
+    settings = [dataclasses.replace(s, union=u) for s in _settings(policies, k0s, trace, policy_options or {}, ep)
+                for u in ((None,) if dp == 1 else ("local",) if _batch_independent(s.cfg) else UNIONS)]
     layer_list = list(range(trace.num_layers)) if layers is None else list(layers)
     for layer in layer_list:
         if not 0 <= layer < trace.num_layers:
             raise ValueError(f"layers must lie in 0..{trace.num_layers - 1}, got {layer}")
     cost = _cost_model(trace, model_preset, gpu, tp, ep)
-    extra = list(metrics) + ([ep_metric(ep)] if ep else [])
+    extra = list(metrics) + ([ep_metric(ep)] if ep else []) + ([per_rank_metric(dp)] if dp > 1 else [])
     note = trace_note(trace)
     if cost is not None and cost.model.num_experts != trace.spec.num_experts:
         note += (f"; latency uses preset {cost.model.name!r} (N={cost.model.num_experts}) with this "
@@ -377,7 +388,7 @@ def simulate(
     generator = torch.Generator().manual_seed(seed)
     auto = num_batches is None
     first = PILOT_BATCHES if auto else num_batches
-    batch_plan = {b: make_batches(trace, b, mode, first, generator) for b in batch_sizes}
+    batch_plan = {b: step_batches(make_batches, trace, b, dp, mode, first, generator) for b in batch_sizes}
     inputs = {layer: router_inputs(trace, layer) for layer in layer_list}
     rows = []
     counter = {"done": 0, "total": len(batch_sizes) * len(layer_list)}
@@ -389,7 +400,8 @@ def simulate(
             vanilla_ids, _ = route_batches(logits, spec, None, batches)
             layer_mass = None if mass is None else mass[batches]
             for setting in settings:
-                ids, weights = route_batches(logits, spec, setting.cfg, batches)
+                ids, weights = route_step(route_batches, logits, spec, setting.cfg, batches, dp,
+                                          setting.union or "global")
                 routed = LayerBatches(layer, ids, weights, vanilla_ids, layer_mass, spec.num_experts)
                 values = core_metrics(routed)
                 for metric in extra:
@@ -407,11 +419,14 @@ def simulate(
             if needed <= have:
                 break
             counter["total"] += len(layer_list)
-            more = run(make_batches(trace, b, mode, needed - have, generator))
+            more = run(step_batches(make_batches, trace, b, dp, mode, needed - have,
+                                    generator))
             samples = {s: extend(samples[s], more[s]) for s in settings}
             have = needed
         for setting in settings:
             base = {"trace": trace.name, "mode": mode, "policy": setting.policy, "k0": setting.k0, "batch_size": b}
+            if dp > 1:
+                base.update(dp=dp, union=setting.union)
             row = summarise(base, samples[setting], layer_list, cost, b, precision if auto else None)
             rows.append({**row, "note": note})
     add_ratios(rows, seed)
