@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from oea.bench.serve_ab import engine_summary, restart_order, with_load
+from oea.bench.serve_ab import engine_summary, restart_order, wait_for_load, with_load
 from oea.bench.serve_summary import ab_summary, plot_ab
 from oea.launch.vllm import memory_defaults, start_server
 
@@ -39,10 +39,13 @@ def test_ab_summary_pairs_rounds_and_reports_cis() -> None:
         ab_summary(rows, baseline="k9")
 
 
-def test_ab_summary_unpaired_when_rounds_differ(tmp_path: Path) -> None:
+def test_ab_summary_pairs_the_common_rounds_only(tmp_path: Path) -> None:
     rows = [_row("off", 4, r, 10.0 + r, 100.0) for r in range(3)] + [_row("k5", 4, r, 8.0, 120.0) for r in range(2)]
     k5 = next(e for e in ab_summary(rows) if e["arm"] == "k5")
-    assert k5["median_tpot_ms_ratio"] == pytest.approx(8.0 / 11.0)
+    assert k5["median_tpot_ms_ratio"] == pytest.approx(8.0 / 10.5) and k5["median_tpot_ms_ratio_pairs"] == 2
+    one = [_row("off", 4, r, 10.0 + r, 100.0) for r in range(3)] + [_row("k5", 4, 7, 8.0, 120.0)]
+    k5 = next(e for e in ab_summary(one) if e["arm"] == "k5")
+    assert k5["median_tpot_ms_ratio"] == pytest.approx(8.0 / 11.0) and k5["median_tpot_ms_ratio_pairs"] == 0
     assert plot_ab(ab_summary(rows), tmp_path / "ab.png").stat().st_size > 0
 
 
@@ -122,3 +125,12 @@ def test_restart_rounds_can_extend_an_earlier_run(monkeypatch: pytest.MonkeyPatc
     assert len((tmp_path / "ab.jsonl").read_text().splitlines()) == 4
     with pytest.raises(ValueError, match="--first-round must be >= 0"):
         serve_ab.run_restarted({"off": {}}, ["--model", "m"], cfg, tmp_path, None, None, 1.0, False, first_round=-1)
+
+
+def test_wait_for_load_polls_until_the_machine_is_quiet() -> None:
+    loads = iter([9.0, 8.0, 3.0, 1.0])
+    slept: list[float] = []
+    waited = wait_for_load(4.0, 600.0, poll=10.0, loadavg=lambda: (next(loads), 0.0, 0.0), sleep=slept.append)
+    assert waited == 20.0 and slept == [10.0, 10.0]
+    assert wait_for_load(None, 600.0, loadavg=lambda: (99.0, 0.0, 0.0), sleep=slept.append) == 0.0
+    assert wait_for_load(1.0, 25.0, poll=10.0, loadavg=lambda: (99.0, 0.0, 0.0), sleep=lambda s: None) == 30.0

@@ -138,6 +138,19 @@ def with_load(enrich: Callable[[dict[str, Any]], None] | None) -> Callable[[dict
     return enrich_with_load
 
 
+def wait_for_load(max_load: float | None, timeout: float, poll: float = 15.0,
+                  loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg,
+                  sleep: Callable[[float], None] = time.sleep) -> float:
+    """Block until the 1-minute load average is at most ``max_load`` (None: do not wait), or ``timeout``
+    seconds passed; returns the seconds waited. Starting every server at a similar load keeps other jobs'
+    bursts on a shared machine out of some arms' rounds."""
+    waited = 0.0
+    while max_load is not None and loadavg()[0] > max_load and waited < timeout:
+        sleep(poll)
+        waited += poll
+    return waited
+
+
 def restart_order(names: list[str], round_index: int) -> list[str]:
     """The arm order of one round in restart mode: rotated left by the round index (off k5 k3, k5 k3 off,
     k3 off k5, ...), so over len(names) rounds every arm runs once in every position."""
@@ -158,12 +171,15 @@ def parse_engine_metrics(specs: list[str]) -> dict[str, Path]:
 
 def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], cfg: BenchConfig,
                   out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
-                  progress: bool, server_nice: int | None = None, first_round: int = 0) -> list[dict[str, Any]]:
+                  progress: bool, server_nice: int | None = None, first_round: int = 0,
+                  max_load: float | None = None, load_wait: float = 1800.0) -> list[dict[str, Any]]:
     """Restart mode: one server per (round, arm), arm order rotated between rounds (``restart_order``).
 
     Rounds are numbered from ``first_round`` (prompts, arm order and file names follow the number), so a
-    later run can extend an A/B with new rounds into the same output file. SIGTERM stops the current
-    server before this process exits (as Ctrl-C does)."""
+    later run can extend an A/B with new rounds into the same output file. With ``max_load`` each server
+    starts only once the 1-minute load average is at most that (``wait_for_load``, at most ``load_wait``
+    seconds; rows record ``load_wait_s``). SIGTERM stops the current server before this process exits (as
+    Ctrl-C does)."""
     if first_round < 0:
         raise ValueError(f"--first-round must be >= 0, got {first_round}")
     from oea.launch.vllm_cli import strip_separator
@@ -181,7 +197,7 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         _restart_rounds(serve_arms, names, vllm_args, cfg, out_dir, output_file, python, health_timeout, progress,
-                        server_nice, first_round, rows)
+                        server_nice, first_round, (max_load, load_wait), rows)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return rows
@@ -189,7 +205,8 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
 
 def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], vllm_args: list[str], cfg: BenchConfig,
                     out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
-                    progress: bool, server_nice: int | None, first_round: int, rows: list[dict[str, Any]]) -> None:
+                    progress: bool, server_nice: int | None, first_round: int,
+                    load_gate: tuple[float | None, float], rows: list[dict[str, Any]]) -> None:
     from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
 
     for r in range(first_round, first_round + cfg.rounds):
@@ -198,6 +215,7 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], vll
             metrics_file.unlink(missing_ok=True)
             env = oea_env(None, None)
             env.update({"OEA_METRICS_FILE": str(metrics_file), "OEA_TIMING": "1", **serve_arms[name]})
+            waited = wait_for_load(*load_gate)
             server = start_server(vllm_args, env, python=python, log_path=out_dir / f"server-{name}-round{r}.log",
                                   nice=server_nice)
             try:
@@ -207,6 +225,7 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], vll
                                          enrich=with_load(engine_enricher({name: metrics_file}))):
                     row["round"] = r
                     row["arm_env"] = serve_arms[name]
+                    row["load_wait_s"] = waited
                     rows.append(row)
                     if output_file is not None:
                         append_jsonl(output_file, row)
@@ -234,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
         out_dir = Path(args.engine_metrics_dir or (output_file.parent if output_file else Path("oea-bench-serve")))
         rows = run_restarted(serve_arms, list(args.vllm_args), cfg, out_dir, output_file, args.python,
                              args.health_timeout, progress=not args.no_progress, server_nice=args.server_nice,
-                             first_round=args.first_round)
+                             first_round=args.first_round, max_load=args.max_load, load_wait=args.load_wait)
         if args.first_round and output_file is not None:  # an extension: summarise every round in the file
             rows = load_rows(output_file)
     else:

@@ -67,6 +67,10 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="A/B summary: ratios against this arm (default: the first arm)")
     p.add_argument("--first-round", type=int, default=0, metavar="R",
                    help="restart mode: number the rounds from R (extend an earlier A/B in the same --output-file)")
+    p.add_argument("--max-load", type=float, metavar="L",
+                   help="restart mode: start each server only once the 1-minute load average is <= L")
+    p.add_argument("--load-wait", type=float, default=1800.0, metavar="S",
+                   help="restart mode: longest wait for --max-load before starting anyway (seconds)")
     p.add_argument("--server-nice", type=int, metavar="N",
                    help="restart mode: scheduling priority of each server (-20..19; e.g. -5 so that other jobs on "
                         "a shared machine do not time the server; below 0 needs root)")

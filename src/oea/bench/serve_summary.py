@@ -34,8 +34,9 @@ def ab_summary(rows: Sequence[dict[str, Any]], baseline: str | None = None, seed
                metrics: Sequence[str] = AB_METRICS) -> list[dict[str, Any]]:
     """One entry per (max_concurrency, arm): ``rounds``, and for each metric M ``M`` (median over rounds),
     ``M_ci`` (bootstrap 95% CI of that median), ``M_rounds`` (per-round values), and for arms other than
-    the baseline ``M_ratio`` / ``M_ratio_ci`` (median(arm) / median(baseline), paired by round when both
-    have the same rounds, else unpaired); engine fields are means over rounds. ``baseline`` defaults to
+    the baseline ``M_ratio`` / ``M_ratio_ci`` (median(arm) / median(baseline) over the rounds both have,
+    resampled in pairs; ``M_ratio_pairs`` of them; with fewer than two common rounds, all rounds,
+    unpaired, and ``M_ratio_pairs`` 0); engine fields are means over rounds. ``baseline`` defaults to
     the first arm seen; ``ValueError`` names ``--baseline-arm`` when it is not an arm."""
     from oea.stats import median_interval, ratio_of_medians_interval
 
@@ -66,12 +67,13 @@ def ab_summary(rows: Sequence[dict[str, Any]], baseline: str | None = None, seed
                 if arm == baseline or not base:
                     continue
                 common = sorted(set(own) & set(base))
-                if len(common) == len(own) == len(base):
+                if len(common) >= 2:
                     ratio = ratio_of_medians_interval([own[k] for k in common], [base[k] for k in common], rng,
                                                       paired=True)
                 else:
                     ratio = ratio_of_medians_interval(values, [base[k] for k in sorted(base)], rng, paired=False)
-                entry.update({f"{metric}_ratio": ratio.estimate, f"{metric}_ratio_ci": ratio.as_list()})
+                entry.update({f"{metric}_ratio": ratio.estimate, f"{metric}_ratio_ci": ratio.as_list(),
+                              f"{metric}_ratio_pairs": len(common) if len(common) >= 2 else 0})
             for field in ENGINE_FIELDS:
                 values = _finite(r.get(field) for r in cell[arm])
                 if values:
