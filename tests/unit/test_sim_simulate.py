@@ -52,8 +52,10 @@ def test_batch_of_the_whole_pool_loads_every_expert_the_pool_uses(batch_size: in
     pool = [len(set().union(*layer_sets)) for layer_sets in top]
     rows = simulate(trace, policies=["vanilla"], batch_sizes=[batch_size], num_batches=8, seed=5)
     per_layer = rows[0]["per_layer_active_experts"]
-    if batch_size == 48:  # every batch is the whole pool
+    if batch_size == 48:  # every batch is the whole pool: 8 samples of pool[0] and 8 of pool[1]
         assert per_layer == pool
+        assert rows[0]["p95_active_experts"] == pytest.approx(max(pool))  # torch.quantile's linear rule
+        assert rows[0]["p50_active_experts"] == pytest.approx(sum(pool) / 2)
     else:
         fewest = [min(len(set().union(*(s for u, s in enumerate(layer_sets) if u != t))) for t in range(48))
                   for layer_sets in top]

@@ -116,6 +116,8 @@ def test_metrics_record_what_each_step_routed(monkeypatch: pytest.MonkeyPatch) -
     state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record)})()
     for n, tokens in enumerate([[4], [1, 1, 1], [1], [5]]):
         _step(router, tokens, _logits(sum(tokens), seed=20 + n))
+    plugin_steps.begin_step(scheduler_output([1, 1]))  # a step that ran no MoE layer writes no row
+    plugin_steps.end_step()
     prefill, decode, single, prefill_again = added
     assert (decode.decode, decode.oea) == (True, True) and decode.rows == 3
     assert int(decode.active[0]) < int(decode.active_stock[0])
