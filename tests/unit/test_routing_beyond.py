@@ -199,6 +199,12 @@ def test_adaptive_k0_uses_the_schedule_for_the_batch_size():
         got = oea.route(logits, spec, cfg)
         want = oea.route(logits, spec, oea.OEAConfig(k0))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    capped = AdaptiveK0Config(((64, 2),), max_experts=3, group_fill="cross", min_batch=5)  # OEAConfig's options
+    logits = torch.randn(6, 64, generator=gen) * 2
+    got = oea.route(logits, spec, capped)
+    want = oea.route(logits, spec, oea.OEAConfig(2, max_experts=3, group_fill="cross", min_batch=5))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and int((got[1] != 0).sum(1).max()) == 3
+    assert torch.equal(oea.route(logits[:4], spec, capped)[0], oea.route(logits[:4], spec)[0])  # below min_batch
     with pytest.raises(ValueError, match="increasing"):
         AdaptiveK0Config(((8, 3), (4, 5)))
     with pytest.raises(ValueError, match=r"k0 must be in 1\.\.top_k"):
@@ -226,6 +232,9 @@ def test_layer_k0_schedule_round_trip_and_mismatch(tmp_path):
     loaded = read_layer_k0_file(path)
     assert loaded == schedule
     assert loaded.config_for_layer(1) == oea.OEAConfig(5)
+    assert [loaded.index_of_layer_id(i) for i in (-1, 0, 2, 3)] == [None, 0, 2, None]  # engine layer ids
+    offset = LayerK0Schedule(num_experts=128, top_k=8, num_layers=2, k0=(3, 5), layer_ids=(3, 7))  # dense 0..2
+    assert [offset.index_of_layer_id(i) for i in (0, 3, 5, 7)] == [None, 0, None, 1]
     loaded.check_model(128, 8, 3)
     with pytest.raises(ValueError, match="num_experts: file has 128, model has 64; num_layers: file has 3"):
         loaded.check_model(64, 8, 48)
