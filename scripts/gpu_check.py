@@ -3,6 +3,10 @@ equality, end-to-end decode steps.
 
 Run by ``scripts/gpu_check.sh`` (<= 8 minutes on one H100/H200, no network). Steps:
 
+0. The fast routing kernel (``scripts/gpu_check_routing.py``): ``oea.route_fast``'s Triton kernel against
+   ``oea.route`` (ids bit-equal over 10,000 generated cases and in CUDA-graph replays), and its time per
+   layer call inside a CUDA graph against stock top-k routing and the PyTorch path (``oea.route``).
+
 1. ``oea.route`` captured in a CUDA graph equals eager ``oea.route`` for vanilla, OEA and pruned,
    with padding rows marked through ``valid``, over several inputs replayed through the same graph;
    the same for the MoE layer (route + grouped layer) output.
@@ -35,6 +39,17 @@ import torch
 import oea
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _load_sibling(name: str) -> Any:
+    """A module of this folder by file name (this script is also loaded by path in the tests)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
 
 
 def graphed(fn: Callable[..., Any], *static_inputs: torch.Tensor) -> Callable[..., Any]:
@@ -259,12 +274,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"device": args.device, "dry_run": args.dry_run, "torch": torch.__version__}
+    fast = _load_sibling("gpu_check_routing")
+    report["fast_routing"] = fast.check_fast_routing(args.device, args.dry_run, args.repeats, graphed)
+    print("\n".join(fast.summary_lines(report["fast_routing"])))
     report["graph_routing"] = check_graph_routing(args.device)
     report["graph_layer"] = check_graph_layer(args.device)
     report["bench"] = bench_runs(args.device, args.dry_run, args.repeats, args.threads)
     report["decode"], report["decode_error"] = ([], None) if args.skip_decode else decode_runs(
         args.device, args.dry_run, args.threads)
-    report["ok"] = (all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
+    report["ok"] = (report["fast_routing"]["ok"]
+                    and all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
                     and report["decode_error"] is None and all(decode_ok(run) for run in report["decode"]))
     print("\n".join(summary_lines(report)))
     out = args.out or (str(pathlib.Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None)
@@ -273,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pathlib.Path(out).write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {out}")
     if not report["ok"]:
-        print("gpu_check: FAILED: graph-captured results differ from eager, k0 = top_k changed decode tokens, or "
-              "the decode benchmark stopped (see the JSON)", file=sys.stderr)
+        print("gpu_check: FAILED: the fast routing kernel differs from oea.route, graph-captured results differ "
+              "from eager, k0 = top_k changed decode tokens, or the decode benchmark stopped (see the JSON)",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -52,12 +52,14 @@ def _logits(rng: random.Random, gen: torch.Generator, m: int, n: int, style: str
     return x
 
 
-def random_case(seed: int, max_rows: int = 64, sizes: tuple[int, ...] = SIZES) -> Case:
-    """One generated routing call: (logits [M, N], spec, cfg, valid [M] or None)."""
+def random_case(seed: int, max_rows: int = 64, sizes: tuple[int, ...] = SIZES,
+                top_ks: tuple[int, ...] | None = None) -> Case:
+    """One generated routing call: (logits [M, N], spec, cfg, valid [M] or None); ``top_ks`` fixes the k
+    drawn from (fewer shapes: fewer Triton compilations on a GPU)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     n = rng.choice(sizes)
-    k = rng.randint(1, min(n, rng.choice([2, 4, 8, 8, 8, 16])))
+    k = rng.randint(1, min(n, rng.choice([2, 4, 8, 8, 8, 16]))) if top_ks is None else min(n, rng.choice(top_ks))
     m = rng.randint(1, max_rows)
     kwargs: dict = {"renormalize": rng.random() < 0.7}
     if rng.random() < 0.5:

@@ -33,10 +33,16 @@ def test_cli_json_reports_every_shape_and_the_targets(capsys):
     for row in result["rows"]:
         assert row["vanilla_us"] > 0 and row["oea_us"] > 0 and row["naive_us"] > 0
         assert row["oea_vs_vanilla"] == row["oea_us"] / row["vanilla_us"]
-        for name in ("vanilla_us", "oea_us", "naive_us", "oea_vs_vanilla", "naive_vs_oea"):
+        assert row["fast_impl"] == "numba" and row["fast_us"] > 0 and row["stock_us"] > 0
+        assert row["fast_vs_vanilla"] == row["fast_us"] / row["vanilla_us"]
+        assert row["fast_vs_stock"] == row["fast_us"] / row["stock_us"]
+        for name in ("vanilla_us", "oea_us", "naive_us", "fast_us", "stock_us", "oea_vs_vanilla", "naive_vs_oea",
+                     "fast_vs_vanilla", "fast_vs_stock"):
             low, high = row[f"{name}_ci"]  # median / ratio of medians with its bootstrap interval
             assert low <= row[name] <= high
-    assert set(result["targets"]) >= {"oea_vs_vanilla_max_B>=16", "naive_vs_oea_min_B>=16"}
+    assert set(result["targets"]) >= {"oea_vs_vanilla_max_B>=16", "naive_vs_oea_min_B>=16",
+                                      "fast_vs_vanilla_max_B>=16"}
+    assert result["device"] == "cpu"
 
 
 def test_cli_rejects_bad_arguments(capsys):
@@ -51,7 +57,8 @@ def test_figures_are_medians_of_the_timed_calls(monkeypatch):
 
     clock = [0]
     durations_ns = {"vanilla": [1000, 3000, 2000, 900_000, 4000], "oea": [2000, 2000, 5000, 6000, 3000],
-                    "naive": [40_000, 10_000, 20_000, 30_000, 50_000]}
+                    "naive": [40_000, 10_000, 20_000, 30_000, 50_000], "fast": [1500, 1000, 1200, 1100, 700_000],
+                    "stock": [600, 500, 400, 800, 700]}
     pool = 2
 
     def variant(name):
@@ -67,3 +74,5 @@ def test_figures_are_medians_of_the_timed_calls(monkeypatch):
     row = routing.measure(64, 4, 8, 2, repeats=5, seed=0, pool=pool)
     assert (row["vanilla_us"], row["oea_us"], row["naive_us"]) == (3.0, 3.0, 30.0)
     assert row["oea_vs_vanilla"] == 1.0 and row["naive_vs_oea"] == 10.0
+    assert (row["fast_us"], row["stock_us"]) == (1.2, 0.6)
+    assert row["fast_vs_vanilla"] == 1.2 / 3.0 and row["fast_vs_stock"] == 1.2 / 0.6

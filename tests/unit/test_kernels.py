@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import oea
 import oea.kernels.numba_cpu as numba_cpu
 import oea.kernels.triton_gpu as triton_gpu
-from oea.kernels import KernelUnavailableError, choose_impl, numba_route, plan, route_fast
+from oea.kernels import KernelUnavailableError, NumbaRouter, choose_impl, numba_route, plan, route_fast
 from oea.routing import BudgetConfig, EPOEAConfig, ExpertPlacement
 
 torch.set_num_threads(1)
@@ -91,7 +91,7 @@ def test_what_no_kernel_reproduces_falls_back_to_route(cfg, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the kernel must not run for this config")
 
-    monkeypatch.setattr("oea.kernels.dispatch.numba_route", refuse)
+    monkeypatch.setattr(NumbaRouter, "__call__", refuse)
     logits = torch.randn(10, 64)
     spec = oea.RouterSpec(64, 8)
     assert choose_impl(logits, spec, cfg) == "torch"

@@ -14,7 +14,8 @@ def _routing(args: argparse.Namespace) -> int:
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("routing", help="CPU microbenchmark: vanilla vs OEA vs a naive implementation")
+    p = bench.add_parser("routing", help="routing microbenchmark: stock top-k, vanilla, OEA, the fast kernels "
+                                         "(oea.route_fast), a naive implementation")
     p.add_argument("--num-experts", type=int_at_least(1), nargs="+", default=[64, 128, 256], metavar="N",
                    help="router sizes N")
     p.add_argument("--top-k", type=int_at_least(1), default=8, help="experts per token k (<= N)")
@@ -24,5 +25,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0, help="seeds the router logits and the variant order")
     p.add_argument("--compile", action="store_true", help="time vanilla and OEA under torch.compile(fullgraph=True)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the logits live (cuda: the Triton kernel; each timed call ends with a synchronise)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=_routing)

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import Any
 
 import torch
 
-from oea.kernels.numba_cpu import numba_available, numba_route
+from oea.kernels.numba_cpu import NumbaRouter, numba_available
 from oea.kernels.params import KernelParams, kernel_params
 from oea.kernels.triton_gpu import triton_available, triton_route
-from oea.routing import RouterSpec, route
+from oea.routing import AdaptiveK0Config, RouterSpec, route
 from oea.routing.policies import check_route_args
 
 IMPLS: tuple[str, ...] = ("auto", "numba", "triton", "torch")
@@ -37,6 +38,9 @@ WEIGHT_RTOL = 2e-6
 WEIGHT_ATOL = 1e-12
 
 _BIAS_FINITE: weakref.WeakKeyDictionary[RouterSpec, bool] = weakref.WeakKeyDictionary()
+# spec -> {(cfg, device type, rows or None, impl, interpreter): (impl, params, prepared numba kernel or None)}
+_PLANS: weakref.WeakKeyDictionary[RouterSpec, dict[tuple, tuple[str, KernelParams | None, Any]]] = (
+    weakref.WeakKeyDictionary())
 
 
 class KernelUnavailableError(RuntimeError):
@@ -130,6 +134,28 @@ def choose_impl(router_logits: torch.Tensor, spec: RouterSpec, cfg: object | Non
     return plan(router_logits, spec, cfg)[0]
 
 
+def _cached_plan(router_logits: torch.Tensor, spec: RouterSpec, cfg: object | None, impl: str
+                 ) -> tuple[str, KernelParams | None, Any]:
+    """``plan`` remembered per spec object (and config, device, implementation; rows for adaptive k0)."""
+    try:
+        key = (cfg, router_logits.device.type, router_logits.shape[0] if isinstance(cfg, AdaptiveK0Config) else None,
+               impl, _interpreting())
+        hash(key)
+    except TypeError:  # a config that is not hashable: plan every call
+        chosen, params = plan(router_logits, spec, cfg, impl)
+        return chosen, params, None
+    plans = _PLANS.get(spec)
+    if plans is None:
+        plans = _PLANS[spec] = {}
+    found = plans.get(key)
+    if found is None:
+        chosen, params = plan(router_logits, spec, cfg, impl)
+        prepared = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
+            chosen == "numba" and params is not None) else None
+        found = plans[key] = (chosen, params, prepared)
+    return found
+
+
 def route_fast(router_logits: torch.Tensor, spec: RouterSpec, cfg: object | None = None,
                valid: torch.Tensor | None = None, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``oea.route`` through a fast kernel where one reproduces it (same arguments, same results).
@@ -145,9 +171,13 @@ def route_fast(router_logits: torch.Tensor, spec: RouterSpec, cfg: object | None
         ``WEIGHT_RTOL`` / ``WEIGHT_ATOL``; exact zeros where the core's are zero by rule).
     """
     check_route_args(router_logits, spec, cfg, valid)
-    chosen, params = plan(router_logits, spec, cfg, impl)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    chosen, params, prepared = _cached_plan(router_logits, spec, cfg, impl)
     if chosen == "torch" or params is None:
         return route(router_logits, spec, cfg, valid)
+    if prepared is not None:
+        return prepared(router_logits, valid)
     if chosen == "numba":
-        return numba_route(router_logits, params, spec.correction_bias, valid)
+        return NumbaRouter(params, spec.correction_bias, spec.num_experts)(router_logits, valid)
     return triton_route(router_logits, params, spec.correction_bias, valid)

@@ -74,12 +74,11 @@ def triton_route(router_logits: torch.Tensor, params: KernelParams, correction_b
     counts = torch.empty((tiles,), dtype=torch.int32, device=device)
     ids = torch.empty((rows, k), dtype=torch.int64, device=device)
     weights = torch.empty((rows, k), dtype=torch.float32, device=device)
-    shape = {"N": n, "K": k, "K0": k0, "KP": kp, "BM": block_m, "BN": block_n, "SIGMOID": params.sigmoid,
-             "N_GROUP": params.n_group, "TOPK_GROUP": params.topk_group, "CROSS": params.cross_fill,
-             "GP": _next_pow2(params.n_group), "HAS_VALID": valid is not None, "HAS_BIAS": correction_bias is not None}
-    phase1[(tiles,)](x, bias, valid_arg, vanilla, union, counts, rows, **shape)
-    phase2[(tiles,)](x, bias, valid_arg, vanilla, union, counts, ids, weights, rows, tiles, params.scaling,
-                     PRUNED=params.pruned, MAX_EXPERTS=params.max_experts, MAX_RANK=params.max_rank,
-                     MIN_BATCH=params.min_batch, RENORM=params.renormalize,
-                     RENORM_REROUTED=params.renormalize_rerouted, **shape)
+    shape = {"N": n, "K": k, "KP": kp, "BM": block_m, "BN": block_n, "SIGMOID": params.sigmoid,
+             "N_GROUP": params.n_group, "GP": _next_pow2(params.n_group), "HAS_VALID": valid is not None}
+    common = (k0, params.topk_group, int(params.cross_fill), int(correction_bias is not None))
+    phase1[(tiles,)](x, bias, valid_arg, vanilla, union, counts, rows, *common, **shape)
+    phase2[(tiles,)](x, bias, valid_arg, vanilla, union, counts, ids, weights, rows, tiles, params.scaling, *common,
+                     int(params.pruned), params.max_experts, params.max_rank, params.min_batch,
+                     int(params.renormalize), int(params.renormalize_rerouted), **shape)
     return ids, weights

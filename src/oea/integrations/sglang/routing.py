@@ -21,6 +21,7 @@ import torch
 import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
 from oea.integrations.sglang.state import PHASE, STATE, decode_active, log, warn_once
+from oea.kernels import route_fast
 from oea.routing import OEAConfig, RouterSpec, route
 
 
@@ -60,7 +61,8 @@ def rewrite_topk(
         valid = torch.arange(m, device=router_logits.device) < num_token_non_padded
     elif m < cfg.min_batch:
         return None
-    ids, weights = route(router_logits, spec, cfg, valid)
+    fast = route if torch.compiler.is_compiling() else route_fast  # numba on CPU, Triton on CUDA
+    ids, weights = fast(router_logits, spec, cfg, valid)
     rerouted = torch.ones(m, dtype=torch.bool, device=router_logits.device) if valid is None else valid
     if valid is not None and cfg.min_batch > 1:
         rerouted = rerouted & (valid.sum() >= cfg.min_batch)

@@ -3,7 +3,8 @@
 * The block's forward pre-hook marks a **decode step** (block input ``[B, S, H]`` with ``S == 1``); its
   forward hook clears it.
 * The router's forward hook, in decode steps, recomputes the router logits from the router's own input
-  (``F.linear``, fp32 for the grouped sigmoid routers, as they do), reroutes with ``oea.route`` and returns
+  (``F.linear``, fp32 for the grouped sigmoid routers, as they do), reroutes with ``oea.route_fast`` (the
+  numba kernel on CPU, Triton on CUDA; ``oea.route`` inside ``torch.compile``) and returns
   ``(router_logits, weights, ids, *rest)`` in the router's own dtypes. transformers 5.0-5.10 DeepSeek/GLM
   blocks are hooked through ``route_tokens_to_experts`` instead.
 * Statistics accumulate in device tensors (no Python state changes per step, so a
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oea.integrations.transformers.routers import LEGACY_ROUTE_METHOD, MoELayer
-from oea.routing import OEAConfig, RouterSpec, route
+from oea.kernels import route_fast
+from oea.routing import OEAConfig, RouterSpec, route, router_scores
 
 # A layer's device counters, in this order: decode steps, rows, active experts (OEA), active experts
 # (the router's own picks), non-zero-weight slots.
@@ -73,8 +75,10 @@ class _LayerHook:
         return F.linear(x, weight)
 
     def reroute(self, logits: torch.Tensor, cfg: object | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[M, N]`` logits -> ids ``[M, k]`` int64, weights ``[M, k]`` float32."""
-        return route(logits, self.current_spec(), cfg)
+        """``[M, N]`` logits -> ids ``[M, k]`` int64, weights ``[M, k]`` float32 (``oea.route``'s results)."""
+        if torch.compiler.is_compiling():  # traced code: the pure-torch path
+            return route(logits, self.current_spec(), cfg)
+        return route_fast(logits, self.current_spec(), cfg)
 
     def rewrite(
         self, logits: Callable[[], torch.Tensor], own_weights: torch.Tensor, own_ids: torch.Tensor
@@ -174,22 +178,35 @@ class _LayerHook:
         self.reroute(logits, self.cfg)  # a config route() rejects fails here, at attach, not mid-generate
         ids, weights = self.reroute(logits, OEAConfig(k0=self.spec.top_k, min_batch=0))
         weights = weights.to(own_weights.dtype)
-        return _routing_mismatch(own_ids, own_weights, ids, weights)
+        select = router_scores(logits, self.current_spec()).select
+        return _routing_mismatch(own_ids, own_weights, ids, weights, select)
 
 
 def _routing_mismatch(
-    own_ids: torch.Tensor, own_weights: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    own_ids: torch.Tensor, own_weights: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    select: torch.Tensor | None = None,
 ) -> str | None:
-    """Compare two routings ``[M, k]`` ignoring slot order; a description of the first difference or None."""
+    """Compare two routings ``[M, k]`` ignoring slot order; a description of the first difference or None.
+
+    With the selection scores ``select`` [M, N], rows whose experts differ only among equal scores count as
+    equal (the router's ``topk`` breaks ties its own way, ``oea.route`` by the lower index); such rows
+    compare their weights as sorted values.
+    """
     if own_ids.shape != ids.shape:
         return f"shape {tuple(ids.shape)} != router's {tuple(own_ids.shape)}"
     own_sorted, own_order = own_ids.sort(dim=-1)
     new_sorted, new_order = ids.to(own_ids.dtype).sort(dim=-1)
-    if not torch.equal(own_sorted, new_sorted):
-        rows = (own_sorted != new_sorted).any(dim=-1).sum().item()
-        return f"expert ids differ in {rows} of {ids.shape[0]} rows"
-    own_w = own_weights.gather(1, own_order).float()
-    new_w = weights.gather(1, new_order).float()
+    differ = (own_sorted != new_sorted).any(dim=-1)
+    if bool(differ.any()):
+        untied = differ
+        if select is not None:
+            own_scores = select.gather(1, own_ids.long()).sort(dim=-1).values
+            new_scores = select.gather(1, ids.long()).sort(dim=-1).values
+            untied = differ & (own_scores != new_scores).any(dim=-1)
+        if bool(untied.any()):
+            return f"expert ids differ in {int(untied.sum())} of {ids.shape[0]} rows"
+    own_w = torch.where(differ[:, None], own_weights.sort(dim=-1).values, own_weights.gather(1, own_order)).float()
+    new_w = torch.where(differ[:, None], weights.sort(dim=-1).values, weights.gather(1, new_order)).float()
     tol = 1e-5 if own_weights.dtype in (torch.float32, torch.float64) else 1e-2
     if not torch.allclose(own_w, new_w, rtol=tol, atol=tol):
         return f"weights differ by up to {(own_w - new_w).abs().max().item():.3g}"
