@@ -22,8 +22,17 @@ from typing import Any
 
 import torch
 
-from oea.config import check_k0_against, metrics_flush_interval, settings_from_env, timing_from_env
+from oea.config import (
+    TraceSettings,
+    check_k0_against,
+    metrics_flush_interval,
+    settings_from_env,
+    timing_from_env,
+    trace_settings_from_env,
+)
+from oea.integrations.recorder import trace_path_problem
 from oea.integrations.vllm.metrics import MetricsWriter
+from oea.integrations.vllm.recording import start_recording
 from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.integrations.vllm.steps import begin_step, end_step
@@ -48,19 +57,32 @@ def register() -> None:
     """
     settings = settings_from_env()
     timing = timing_from_env()
-    mode = "oea" if settings.oea is not None else ("observe" if settings.metrics_file or timing else "off")
+    trace = _trace_settings()
+    observed = settings.metrics_file or timing or trace is not None
+    mode = "oea" if settings.oea is not None else ("observe" if observed else "off")
     if settings.layer_k0_file:
         warn_once("layer-k0", "OEA_LAYER_K0_FILE is not supported by the vLLM plugin yet (oea.attach and the "
                                "SGLang plugin read it); every layer uses OEA_K0")
     if mode == "off" or STATE.installed:
         return
-    STATE.settings, STATE.mode, STATE.timing = settings, mode, timing
+    STATE.settings, STATE.mode, STATE.timing, STATE.trace_settings = settings, mode, timing, trace
     wrapped = install_hooks()
     STATE.installed = True
     cfg = settings.oea
     what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
     log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),
              ", ".join(wrapped))
+
+
+def _trace_settings() -> TraceSettings | None:
+    """``OEA_TRACE_*`` (a malformed value stops start-up); an unwritable file is a warning: no recording."""
+    trace = trace_settings_from_env()
+    problem = None if trace is None else trace_path_problem(trace.path)
+    if problem is not None:
+        warn_once("trace-path", f"oea: OEA_TRACE_FILE={trace.path} cannot be written ({problem}); "  # type: ignore[union-attr]
+                                "serving without recording")
+        return None
+    return trace
 
 
 def _process_title() -> str:
@@ -129,6 +151,7 @@ def _wrap_worker() -> list[str]:
 
         def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = original_load(self, *args, **kwargs)
+            STATE.model_runner = self.model_runner
             _after_load(self.model_runner.get_model())
             return out
 
@@ -211,6 +234,8 @@ def _after_load(model: torch.nn.Module) -> None:
     _warm_up_kernels(device)
     if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
         STATE.metrics = MetricsWriter(STATE.settings.metrics_file, metrics_flush_interval())
+    if STATE.trace_settings is not None and STATE.recorder is None:
+        start_recording(STATE.trace_settings, STATE.model_runner, device)
     supported = sum(s is not None for s in STATE.specs)
     log.info("oea: %d MoE routers in the model, %d rewritable (mode=%s, pid=%d)", found, supported,
              STATE.mode, os.getpid())

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import oea.integrations.vllm.recording as recording
 from oea.integrations.vllm.state import STATE
 from oea.kernels import NumbaRouter, plan, route_fast
 from oea.routing import RouterSpec, active_experts, route
@@ -161,6 +162,8 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     """
     router, spec = STATE.routers[router_id], STATE.specs[router_id]
     rows = router_logits.shape[0]
+    if STATE.trace_step:
+        recording.stage(router_id, router_logits)  # the router's own logits, before any rewrite
     cfg = STATE.settings.oea if STATE.settings is not None else None
     rewrite = STATE.decode and cfg is not None and spec is not None
     start = time.perf_counter() if STATE.timing else 0.0
@@ -220,6 +223,11 @@ def _min_batch_reached(valid: torch.Tensor | None, rows: int) -> bool | torch.Te
     return valid.sum() >= min_batch
 
 
+def _tracing() -> bool:
+    """Inside a graph being compiled or captured (the decision must then live on the device)."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def graph_wrapper(original: Any) -> Any:
     """Replacement for GPU-side routers: stock routing, then OEA in decode steps.
 
@@ -233,11 +241,12 @@ def graph_wrapper(original: Any) -> Any:
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
         router_id = getattr(self, "_oea_router_id", None)
+        if STATE.recorder is not None and router_id is not None and (STATE.trace_step or _tracing()):
+            recording.stage(router_id, router_logits)  # captured into the graph: every replay fills the buffer
         if STATE.mode != "oea" or router_id is None or STATE.specs[router_id] is None:
             return weights, ids
         spec = STATE.specs[router_id]
-        tracing = torch.compiler.is_compiling() or (torch.cuda.is_available()
-                                                    and torch.cuda.is_current_stream_capturing())
+        tracing = _tracing()
         if not tracing and not STATE.decode:
             return weights, ids
         k = spec.top_k

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from oea.config import EnvSettings
+from oea.config import EnvSettings, TraceSettings
+from oea.integrations.recorder import TraceRecorder
 from oea.integrations.vllm.metrics import MetricsWriter, StepRecord
 from oea.routing import RouterSpec
 
@@ -31,6 +32,13 @@ class State:
     record: StepRecord | None = None
     metrics: MetricsWriter | None = None
     warned: set[str] = field(default_factory=set)
+    # OEA_TRACE_FILE (recording.py): the recorder, router id -> recorded layer, this step recorded or not
+    trace_settings: TraceSettings | None = None
+    recorder: TraceRecorder | None = None
+    trace_slots: dict[int, int] = field(default_factory=dict)
+    trace_step: bool = False
+    trace_scheduled: Any = None  # the recorded step's SchedulerOutput
+    model_runner: Any = None  # the worker's model runner (its persistent batch orders the rows)
 
 
 STATE = State()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import oea.integrations.vllm.recording as recording
 from oea.integrations.vllm.metrics import StepRecord
 from oea.integrations.vllm.routing import forget_step_rows
 from oea.integrations.vllm.state import STATE
@@ -34,6 +35,7 @@ def begin_step(scheduler_output: Any) -> None:
     if STATE.decode_flag is not None:
         STATE.decode_flag.fill_(decode)
     STATE.step += 1
+    recording.begin(scheduler_output, decode)  # OEA_TRACE_FILE: record this step or not
     forget_step_rows()  # padding and the valid-row count: looked up once, by the step's first routing call
     if STATE.metrics is not None:
         STATE.record = StepRecord(decode=decode, oea=STATE.mode == "oea")  # cleared by any stock layer
@@ -44,3 +46,4 @@ def end_step() -> None:
     record, STATE.record = STATE.record, None
     if record is not None and STATE.metrics is not None and record.active:
         STATE.metrics.add(STATE.step, record)
+    recording.finish()  # a recorded step's rows to the trace writer (off the forward path)
