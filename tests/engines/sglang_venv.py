@@ -45,3 +45,13 @@ def run_checks(mode: str, extra_env: dict[str, str] | None = None) -> tuple[int,
     except json.JSONDecodeError:
         pytest.fail(f"{mode}: exit {proc.returncode}, no JSON on stdout\nstdout: {proc.stdout[-2000:]}\n"
                     f"stderr: {proc.stderr[-4000:]}")
+
+
+def run_script_json(script: Path, args: list[str], extra_env: dict[str, str] | None = None
+                    ) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Another check script of tests/engines in .venv-sglang -> (the process, its parsed stdout JSON or None)."""
+    proc = _run([str(SGLANG_PYTHON), str(script), *args], extra_env)
+    try:
+        return proc, json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return proc, None

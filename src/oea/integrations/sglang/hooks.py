@@ -17,6 +17,7 @@ import pkgutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.routing import post_process_before, select_experts_around_legacy, select_experts_before
 from oea.integrations.sglang.state import STATE, forward_mode, log
@@ -26,13 +27,13 @@ def _forward_context_around(original: Callable[..., Any], *args: Any, **kwargs: 
     """AROUND ``forward_context(ctx, *, forward_batch=None)``: returns a context manager."""
     forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
     mode = getattr(forward_batch, "forward_mode", None) if forward_batch is not None else None
-    return _phase_context(original(*args, **kwargs), mode)
+    return _phase_context(original(*args, **kwargs), mode, forward_batch)
 
 
 @contextlib.contextmanager
-def _phase_context(inner: Any, mode: Any) -> Iterator[Any]:
+def _phase_context(inner: Any, mode: Any, forward_batch: Any) -> Iterator[Any]:
     _note_phase_hook()
-    with forward_mode(mode), inner as value:
+    with forward_mode(mode), recording.forward(forward_batch, mode), inner as value:
         yield value
 
 
@@ -40,7 +41,8 @@ def _model_runner_forward_around(original: Callable[..., Any], *args: Any, **kwa
     """AROUND ``ModelRunner.forward(self, forward_batch, ...)`` (versions without forward_context)."""
     forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
     _note_phase_hook()
-    with forward_mode(getattr(forward_batch, "forward_mode", None)):
+    mode = getattr(forward_batch, "forward_mode", None)
+    with forward_mode(mode), recording.forward(forward_batch, mode):
         return original(*args, **kwargs)
 
 

@@ -16,8 +16,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
-from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
+from oea.config import EnvSettings, layer_k0_schedule, settings_from_env, trace_settings_from_env
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
 from oea.integrations.sglang.routing import select_experts_around_legacy
 from oea.integrations.sglang.state import STATE, log, warn_once
@@ -26,7 +27,7 @@ from oea.integrations.sglang.state import STATE, log, warn_once
 def register() -> None:
     """``sglang.srt.plugins`` entry point: runs in every SGLang process before hooks are applied.
 
-    Reads the environment (``OEA_K0`` off -> nothing is installed). Does not touch CUDA.
+    Reads the environment (``OEA_K0`` and ``OEA_TRACE_FILE`` off -> nothing is installed). Does not touch CUDA.
 
     A malformed ``OEA_*`` value stops the process with ``SystemExit`` naming the variable: SGLang's
     loader catches (and only logs) ``Exception`` from plugins, which would leave the server running
@@ -34,10 +35,12 @@ def register() -> None:
     """
     try:
         settings = settings_from_env()
+        trace = trace_settings_from_env()
     except ValueError as err:
         log.error("oea: invalid OEA configuration: %s", err)
         raise SystemExit(f"oea: invalid OEA configuration: {err}") from None
-    if settings.oea is None:
+    recording.configure(trace, settings.apply_to_verify)  # an unwritable OEA_TRACE_FILE: a warning, no recording
+    if settings.oea is None and recording.TRACE.settings is None:
         log.info("oea: OEA_K0 unset; SGLang routing unchanged")
         return
     install(settings)
@@ -87,6 +90,7 @@ def install_without_registry(settings: EnvSettings) -> list[str]:
     """
     STATE.settings = settings
     STATE.specs.clear()
+    recording.configure(trace_settings_from_env(), settings.apply_to_verify)
     patched: list[str] = []
     topk = importlib.import_module(targets.TOPK_MODULE)
     plan = hook_plan()

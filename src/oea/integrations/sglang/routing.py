@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
 from oea.integrations.sglang.state import PHASE, STATE, decode_active, log, warn_once
@@ -89,6 +90,8 @@ def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dic
                                   "forward keep SGLang's routing")
     if not decode_active():
         return None
+    if recording.TRACE.settings is not None and not args:
+        _record(kwargs)  # the router's own logits, before any rewrite
     settings = STATE.settings
     if settings is None or settings.oea is None:
         return None
@@ -146,6 +149,19 @@ def _layer_config(default: OEAConfig, spec: RouterSpec, layer_id: int | None) ->
         cached = dataclasses.replace(default, k0=schedule.k0[index])
         STATE.layer_configs[index] = cached
     return cached
+
+
+def _record(kwargs: dict[str, Any]) -> None:
+    """Stage this call's router logits for ``OEA_TRACE_FILE`` (``recording.stage``); never raises."""
+    try:
+        router_logits = kwargs["router_logits"]
+        spec = _spec_for(kwargs["topk_config"], router_logits.shape[1])
+        if PHASE.dynamic_bias:
+            spec = "per-token dynamic_expert_bias routing"
+        recording.stage(kwargs.get("layer_id"), router_logits, spec)
+    except Exception as err:  # never take the server down from inside a forward pass
+        warn_once(f"trace-error:{type(err).__name__}", f"recording failed ({type(err).__name__}: {err}); "
+                                                       "routing goes on")
 
 
 def _spec_for(topk_config: Any, num_experts: int) -> RouterSpec | str:
