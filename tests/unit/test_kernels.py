@@ -67,6 +67,14 @@ def test_ties_and_slot_order_on_a_hand_made_case():
     assert SWEEP.mismatch((ids, weights), want) is None
 
 
+def test_a_group_limit_on_a_softmax_router_is_ignored_as_the_core_ignores_it():
+    spec = oea.RouterSpec(32, 4, "softmax", n_group=4, topk_group=2)
+    logits = torch.randn(9, 32, generator=torch.Generator().manual_seed(5))
+    for cfg in (None, oea.OEAConfig(2, group_fill="cross")):
+        want = oea.route(logits, spec, cfg)
+        assert SWEEP.mismatch(route_fast(logits, spec, cfg, impl="numba"), want) is None
+
+
 def test_preallocated_int32_buffers():
     """Adapters pass their own [M, k] buffers (vLLM's CPU MoE takes int32 ids)."""
     logits = torch.randn(12, 64)

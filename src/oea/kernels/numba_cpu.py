@@ -109,8 +109,8 @@ def _compile() -> Any | None:
                         fil[m, e] = neg_inf
 
     @jit
-    def row_weights(x: Any, sel: Any, m: int, ids: Any, used: int, p: Any, renorm: bool, scaling: float,
-                    w: Any, out_w: Any) -> None:
+    def row_weights(x: Any, sel: Any, m: int, top_id: int, ids: Any, used: int, p: Any, renorm: bool,
+                    scaling: float, w: Any, out_w: Any) -> None:
         """out_w[m, :used] from the family's weights at ids[:used] (w: float64 scratch [k]); the rest 0."""
         k = ids.shape[0]
         n = x.shape[1]
@@ -121,9 +121,7 @@ def _compile() -> Any | None:
                 w[j] = 0.0 if v != v else float(v)
                 total += w[j]
         else:  # softmax of the sanitised logits (sel holds them: softmax routers have no group limit)
-            top = neg_inf
-            for e in range(n):
-                top = max(top, sel[m, e])
+            top = sel[m, top_id]  # the row's largest logit: its first vanilla expert
             for j in range(used):  # exp of the float32 difference, as torch computes it
                 w[j] = 0.0 if top == neg_inf else math.exp(float(sel[m, ids[j]] - top))
                 total += w[j]
@@ -185,11 +183,12 @@ def _compile() -> Any | None:
                 if max_rank < n:  # the max_rank-th expert of the fill order (stable: ties to the lower index)
                     threshold = np.argsort(-fil[m], kind="mergesort")[max_rank - 1]
                 count = 0
+                room = k - k0
                 for t in range(size):
                     e = members[t]
                     v = fil[m, e]
-                    if v == neg_inf:
-                        continue
+                    if v == neg_inf or (count == room and not v > fil[m, extra[room - 1]]):
+                        continue  # (members come in index order: an equal score never displaces a lower index)
                     if threshold >= 0:
                         limit = fil[m, threshold]
                         if v < limit or (v == limit and e > threshold):
@@ -198,7 +197,7 @@ def _compile() -> Any | None:
                     for j in range(k0):
                         own = own or vanilla[m, j] == e
                     if not own:
-                        count = insert(fil, m, extra, count, k - k0, e)
+                        count = insert(fil, m, extra, count, room, e)
                 for j in range(count):
                     ids[k0 + j] = extra[j]
                 used = min(k0 + count, max_experts)
@@ -208,7 +207,8 @@ def _compile() -> Any | None:
                 ids[j] = ids[0]
             for j in range(k):
                 out_ids[m, j] = ids[j]
-            row_weights(x, sel, m, ids, used, p, bool(p[7]) if rerouted else bool(p[6]), scaling, scratch, out_w)
+            row_weights(x, sel, m, vanilla[m, 0], ids, used, p, bool(p[7]) if rerouted else bool(p[6]), scaling,
+                        scratch, out_w)
 
     @jit
     def route_bf16(bits: Any, bias: Any, valid: Any, p: Any, scaling: float, out_ids: Any, out_w: Any) -> None:

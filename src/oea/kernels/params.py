@@ -59,7 +59,7 @@ INT_FIELDS = ("top_k", "k0", "pruned", "max_experts", "max_rank", "min_batch", "
 def kernel_params(spec: RouterSpec, cfg: object | None, rows: int) -> KernelParams | str:
     """The numbers of one ``route(logits [rows, N], spec, cfg)`` call, or why no kernel reproduces it."""
     n, k = spec.num_experts, spec.top_k
-    grouped = spec.grouped
+    grouped = spec.grouped and spec.scoring == "sigmoid"  # the core applies a group limit to sigmoid routers only
     common = {"top_k": k, "renormalize": spec.renormalize, "scaling": float(spec.routed_scaling_factor),
               "sigmoid": spec.scoring == "sigmoid", "n_group": spec.n_group if grouped else 1,
               "topk_group": spec.topk_group if grouped else 1}
