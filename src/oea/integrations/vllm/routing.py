@@ -24,10 +24,6 @@ from typing import Any
 import torch
 
 import oea.integrations.vllm.recording as recording
-from oea.integrations.vllm.layers import layer_config
-from oea.integrations.vllm.metrics import routed_hash
-from oea.integrations.vllm.parallel import gathered_across_dp
-from oea.integrations.vllm.placement import config_for
 from oea.integrations.vllm.state import STATE
 from oea.kernels import NumbaRouter, plan, route_fast
 from oea.routing import RouterSpec, active_experts, route
@@ -67,23 +63,17 @@ def step_rows(rows: int) -> tuple[torch.Tensor | None, int]:
     return _STEP_ROWS["value"]
 
 
-def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor, cfg: Any) -> NumbaRouter | None:
-    """The router's prepared numba kernel for ``cfg`` (None: only ``oea.route`` reproduces it), made once per
-    config (a per-batch-size k0 gives a router one config per k0)."""
+def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor) -> NumbaRouter | None:
+    """The router's prepared numba kernel (None: only ``oea.route`` reproduces this config), made once."""
     cached = _CPU_ROUTERS.get(router_id)
-    if cached is None or cached[0] is not cfg or cached[1] is not spec:
+    if cached is None or cached[0] is not STATE.settings or cached[1] is not spec:
+        cfg = STATE.settings.oea if STATE.settings is not None else None
         impl, params = plan(router_logits, spec, cfg)
         kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
             impl == "numba" and params is not None) else None
-        cached = _CPU_ROUTERS[router_id] = (cfg, spec, kernel)
+        cached = _CPU_ROUTERS[router_id] = (STATE.settings, spec, kernel)
     return cached[2]
 
-
-
-def router_config(router_id: int | None, rows: int) -> Any:
-    """The routing config of one call of ``rows`` rows: the router's, with ``OEA_LAYER_K0_FILE``'s k0 for its
-    layer and batch size (``layers.layer_config``)."""
-    return layer_config(router_id, rows, config_for(router_id))
 
 
 def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Tensor | None,
@@ -92,12 +82,11 @@ def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Te
 
     CPU routers with an id take their prepared numba kernel and write into the router's buffers for this
     row count (reused every step); code that Dynamo traces uses ``oea::gpu_route`` on CUDA and
-    ``oea.route`` elsewhere; everything else goes through ``route_fast``. The config is the router's
-    (``placement.config_for``: ``EPOEAConfig`` under ``OEA_POLICY=ep``, else ``OEA_K0``'s).
+    ``oea.route`` elsewhere; everything else goes through ``route_fast``.
     """
-    cfg = router_config(router_id, router_logits.shape[0])
+    cfg = STATE.settings.oea if STATE.settings is not None else None
     if router_id is not None and router_logits.device.type == "cpu" and not torch.compiler.is_compiling():
-        kernel = _cpu_router(router_id, spec, router_logits, cfg)
+        kernel = _cpu_router(router_id, spec, router_logits)
         if kernel is not None:
             key = (router_id, router_logits.shape[0])
             buffers = _BUFFERS.get(key)
@@ -127,7 +116,7 @@ def define_gpu_op() -> None:
     def gpu_route(router_logits: torch.Tensor, valid: torch.Tensor | None, router_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         spec = STATE.specs[router_id]
-        cfg = router_config(router_id, router_logits.shape[0])
+        cfg = STATE.settings.oea if STATE.settings is not None else None
         ids, weights = route_fast(router_logits, spec, cfg, valid)  # type: ignore[arg-type]
         return weights, ids.to(torch.int32)
 
@@ -171,13 +160,13 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     rows = router_logits.shape[0]
     if STATE.trace_step:
         recording.stage(router_id, router_logits)  # the router's own logits, before any rewrite
-    cfg = router_config(router_id, rows)
+    cfg = STATE.settings.oea if STATE.settings is not None else None
     rewrite = STATE.decode and cfg is not None and spec is not None
     start = time.perf_counter() if STATE.timing else 0.0
     valid = None
     if rewrite:
         valid, num_valid = step_rows(rows)
-        rewrite = num_valid >= cfg.min_batch and not gathered_across_dp(rows)  # type: ignore[union-attr]
+        rewrite = num_valid >= cfg.min_batch  # type: ignore[union-attr]
     if rewrite:
         weights, ids = oea_route_for(spec, router_logits, valid, router_id)  # type: ignore[arg-type]
         elapsed_us = (time.perf_counter() - start) * 1e6 if STATE.timing else 0.0
@@ -193,16 +182,12 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
         if valid is None and not rewrite:
             valid = step_rows(rows)[0]
         record.rows = rows if valid is None else int(valid.sum())
-        record.padding_rows = rows - record.rows
         record.oea = record.oea and rewrite
-        record.routed[router_id] = routed_hash(ids, weights, valid)
         record.active[router_id] = active_experts(ids, weights, valid)
         if cfg is not None:  # counted from vLLM's own output on every step, so a wrongly rewritten step shows
             record.active_stock[router_id] = active_experts(stock_ids, stock_weights, valid)
         if STATE.timing:
             record.routing_us[router_id] = elapsed_us
-    elif STATE.metrics is not None and router_id == next(i for i, s in enumerate(STATE.specs) if s is not None):
-        STATE.metrics.outside_rows += rows  # a forward outside any engine step (DP dummy batch, warm-up): stock
     return weights, ids
 
 
@@ -224,10 +209,10 @@ def cpu_wrapper(original: Any) -> Any:
     return _compute_routing
 
 
-def _min_batch_reached(valid: torch.Tensor | None, rows: int, router_id: int) -> bool | torch.Tensor:
+def _min_batch_reached(valid: torch.Tensor | None, rows: int) -> bool | torch.Tensor:
     """Whether the call has at least ``OEA_MIN_BATCH`` real rows: a Python bool without padding rows (the row
     count is a static shape), else a 0-dim bool tensor (no host synchronisation)."""
-    cfg = router_config(router_id, rows)
+    cfg = STATE.settings.oea if STATE.settings is not None else None
     min_batch = cfg.min_batch if cfg is not None else 0
     if valid is None:
         return rows >= min_batch
@@ -262,7 +247,7 @@ def graph_wrapper(original: Any) -> Any:
             return weights, ids
         k = spec.top_k
         valid = _valid_rows(router_logits.shape[0])
-        enough = _min_batch_reached(valid, router_logits.shape[0], router_id)
+        enough = _min_batch_reached(valid, router_logits.shape[0])
         if enough is False:  # a static row count below OEA_MIN_BATCH: nothing to do in this shape
             return weights, ids
         new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id if router_logits.is_cuda else None)
