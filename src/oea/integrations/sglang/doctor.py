@@ -1,7 +1,7 @@
 """``oea doctor sglang``: version, environment, entry point, imports (a missing dependency named as one),
 plugin system, every hook target with the parameters the hooks read, hooks live after SGLang's own
-``load_plugins()``, and a self-test through the real ``select_experts`` on CPU tensors in a DECODE and an
-EXTEND forward context."""
+``load_plugins()``, a self-test through the real ``select_experts`` on CPU tensors in a DECODE and an
+EXTEND forward context, and what keeps CUDA-graph padding rows out of the union."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, same_routing, version_tuple
-from oea.integrations.sglang.hooks import hook_plan, hooks_status
+from oea.integrations.sglang.hooks import hook_plan, hooks_status, padding_targets, target_hooked
 from oea.integrations.sglang.plugin import install, register
 from oea.integrations.sglang.state import forward_mode
 from oea.integrations.sglang.targets import engine_version
@@ -29,8 +30,9 @@ def doctor_checks() -> list[dict[str, Any]]:
 
     Version, environment, entry point (registered, loads), imports (SGLang's MoE module with its
     dependencies: a missing one is named as such), plugin system, every hook target with its
-    signature, hooks live after SGLang's own ``load_plugins()``, and a self-test through the real
-    ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context.
+    signature, hooks live after SGLang's own ``load_plugins()``, a self-test through the real
+    ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context, and the mechanism that
+    bounds CUDA-graph padding rows ("cuda-graph padding").
     """
     checks = [check_call("version", _check_version), check_call("environment", _check_environment),
               *entry_point_checks(targets.ENTRY_POINT_GROUP, targets.ENTRY_POINT_VALUE, register, "SGLang"),
@@ -38,13 +40,17 @@ def doctor_checks() -> list[dict[str, Any]]:
     if checks[-1]["ok"]:  # an SGLang that cannot be imported has no hook targets to look at
         checks.append(check_call("plugin system", _check_plugin_system))
         for target, _, _ in hook_plan():
-            checks.append(check_call(f"hook target {target}", lambda target=target: _check_target(target)))
+            if target not in padding_targets():  # reported by the "cuda-graph padding" check
+                checks.append(check_call(f"hook target {target}", lambda target=target: _check_target(target)))
+    imports_ok = all(c["ok"] for c in checks if c["name"] == "imports")
     if all(c["ok"] for c in checks):
         checks.append(check_call("hooks live", _check_hooks_live))
         checks.append(check_call("self-test select_experts", _self_test))
     else:
         checks.append(check("self-test select_experts", False, "skipped: fix the failed checks above first; "
                                                                "until then SGLang serves without OEA"))
+    if imports_ok:
+        checks.append(check_call("cuda-graph padding", _check_padding))
     return checks
 
 
@@ -212,6 +218,36 @@ def _self_test() -> str:
     note = " (OEA is off here: self-test forced k0=1)" if forced else ""
     return (f"DECODE {rows} rows, {num_experts} experts, top-{top_k}, k0={cfg.k0}: active experts "
             f"{t_vanilla} -> {t_oea}, equal to oea.route; EXTEND unchanged{note}")
+
+
+def _check_padding() -> str:
+    """Which mechanism bounds the padding rows of graph-replayed decode batches in this environment."""
+    planned = padding.replay_targets()
+    cuda, cpu = planned["cuda"], planned["cpu"]
+    if cuda is None:
+        raise RuntimeError(f"none: {padding.missing_hook_message(None)}")
+    try:
+        params = inspect.signature(inspect.unwrap(_import_target(cuda))).parameters
+    except (AttributeError, ModuleNotFoundError) as err:
+        if missing_dependency(err) is not None:
+            raise RuntimeError(import_failure(err, cuda)) from None
+        raise RuntimeError(f"none: {padding.missing_hook_message(cuda)}") from None
+    except Exception as err:
+        raise RuntimeError(import_failure(err, cuda)) from None
+    lacking = [name for name in padding.REPLAY_PARAMETERS if name not in params]
+    if lacking:
+        raise RuntimeError(f"none: {cuda} lacks parameter(s) {lacking}; {padding.missing_hook_message(cuda)}")
+    sglang_own = ("SGLang's own num_token_non_padded is used instead where SGLang keeps one (EP > 1, "
+                  "DP-attention gathering, a custom all-to-all)")
+    hook_points = ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t in (cuda, cpu) if t)
+    if settings_from_env().oea is None:
+        return (f"OEA off; with OEA_K0 set, OEA's replay count ({hook_points}) keeps the padding rows of "
+                f"graph-replayed decode batches out of the union at plain TP; {sglang_own}")
+    if not target_hooked(cuda):
+        raise RuntimeError(f"none: {padding.missing_hook_message(cuda)} (not installed: HookRegistry logged why)")
+    cpu_note = "" if cpu is None or target_hooked(cpu) else f" (CPU graph runner: {cpu} not hooked)"
+    return (f"OEA's replay count ({hook_points} hooked{cpu_note}): padding rows of graph-replayed decode batches "
+            f"stay out of the union at plain TP; {sglang_own}")
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@
   ``ModelRunner.forward`` plus ``CudaGraphRunner.capture_one_batch_size``. Each pushes the batch's
   ``ForwardMode`` on the per-thread stack of ``state.py`` for the duration of the forward (or capture).
 * The rewrite: ``routing.post_process_before`` and ``routing.select_experts_before`` (BEFORE hooks).
+* CUDA-graph padding: ``padding.replay_around`` on the graph runners' replay preparation; the phase hooks
+  also push each forward's row frame (``padding.batch_rows``).
 
 ``hook_plan`` lists (target, hook, kind) for the installed SGLang; ``target_hooked`` tells whether a
 hook is in a target's wrapper chain (put there by SGLang's ``HookRegistry`` or by ``plugin._patch``).
@@ -17,6 +19,7 @@ import pkgutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.routing import post_process_before, select_experts_around_legacy, select_experts_before
@@ -33,7 +36,8 @@ def _forward_context_around(original: Callable[..., Any], *args: Any, **kwargs: 
 @contextlib.contextmanager
 def _phase_context(inner: Any, mode: Any, forward_batch: Any) -> Iterator[Any]:
     _note_phase_hook()
-    with forward_mode(mode), recording.forward(forward_batch, mode), inner as value:
+    with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode), \
+            inner as value:
         yield value
 
 
@@ -42,7 +46,7 @@ def _model_runner_forward_around(original: Callable[..., Any], *args: Any, **kwa
     forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
     _note_phase_hook()
     mode = getattr(forward_batch, "forward_mode", None)
-    with forward_mode(mode), recording.forward(forward_batch, mode):
+    with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode):
         return original(*args, **kwargs)
 
 
@@ -50,12 +54,13 @@ def _graph_capture_around(original: Callable[..., Any], *args: Any, **kwargs: An
     """AROUND ``CudaGraphRunner.capture_one_batch_size`` (versions without forward_context)."""
     runner = args[0] if args else None
     _note_phase_hook()
-    with forward_mode(getattr(runner, "capture_forward_mode", None)):
+    with forward_mode(getattr(runner, "capture_forward_mode", None)), padding.capture_rows(runner, args[1:], kwargs):
         return original(*args, **kwargs)
 
 
 def _note_phase_hook() -> None:
-    """On the first forward of the process: say loudly when the rewrite hook did not get installed."""
+    """On the first forward of the process: say loudly when the rewrite hook did not get installed, and
+    (once, with the workaround) when the CUDA-graph replay hook did not."""
     if not STATE.phase_hook_seen:
         STATE.phase_hook_seen = True
         missing = [t for t in (targets.POST_PROCESS_TARGET,) if not target_hooked(t)]
@@ -63,6 +68,7 @@ def _note_phase_hook() -> None:
             log.error("oea: OEA_K0 is set but the routing hook is not installed on %s; serving WITHOUT OEA "
                       "(supported SGLang versions: %s; run `oea doctor sglang`)", missing,
                       targets.SUPPORTED_VERSIONS)
+        padding.check_replay_hooks(target_hooked)
 
 
 def hook_plan(phase_via_forward_context: bool | None = None) -> list[tuple[str, Callable[..., Any], str]]:
@@ -77,6 +83,7 @@ def hook_plan(phase_via_forward_context: bool | None = None) -> list[tuple[str, 
         plan.append((targets.GRAPH_CAPTURE_TARGET, _graph_capture_around, "AROUND"))
     plan.append((targets.SELECT_EXPERTS_TARGET, select_experts_before, "BEFORE"))
     plan.append((targets.POST_PROCESS_TARGET, post_process_before, "BEFORE"))
+    plan.extend(padding.replay_plan())  # only the hook points this SGLang has (padding.replay_targets)
     return plan
 
 
@@ -116,6 +123,12 @@ def target_hooked(target: str) -> bool:
 
 
 def hooks_status() -> dict[str, bool]:
-    """``{target: installed}`` for every target this process registered (or planned)."""
+    """``{target: installed}`` for every routing target this process registered (or planned); the replay
+    hooks (CUDA-graph padding, ``padding_targets``) are reported apart, by ``padding.check_replay_hooks``."""
     planned = STATE.installed_targets or tuple(t for t, _, _ in hook_plan())
-    return {target: target_hooked(target) for target in planned}
+    return {target: target_hooked(target) for target in planned if target not in padding_targets()}
+
+
+def padding_targets() -> set[str]:
+    """Every replay hook point the plugin knows (hooked on the versions that have it)."""
+    return {padding.DECODE_REPLAY_TARGET, padding.LEGACY_REPLAY_TARGET, padding.CPU_REPLAY_TARGET}

@@ -3,10 +3,11 @@
 ``post_process_before`` is a BEFORE hook on ``topk._post_process_topk_ids``. It sees logical expert ids
 before the EPLB remap, the padded-row mask, the shared-expert append, routed-experts capture and the
 expert-distribution recorder, so all of those see the OEA ids. In DECODE forwards it replaces the routed
-columns by ``rewrite_topk``'s; padding rows (``num_token_non_padded``) keep SGLang's output and do not join
-the union. ``select_experts_before`` only notes per-token dynamic expert bias (Bailing/Ling), which the
-rewrite cannot rebuild and therefore passes through. Unsupported routings pass through unchanged with one
-warning per reason; nothing here raises inside a forward pass.
+columns by ``rewrite_topk``'s; padding rows (``num_token_non_padded``, or OEA's own count of real rows where
+SGLang keeps none: ``padding.bound``) keep SGLang's output and do not join the union. ``select_experts_before``
+only notes per-token dynamic expert bias (Bailing/Ling), which the rewrite cannot rebuild and therefore passes
+through. Unsupported routings pass through unchanged with one warning per reason; nothing here raises inside
+a forward pass.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
@@ -113,7 +115,7 @@ def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dic
             return None
         cfg = _layer_config(settings.oea, spec, kwargs.get("layer_id"))
         result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
-                              kwargs.get("num_token_non_padded"))
+                              padding.bound(router_logits, kwargs.get("num_token_non_padded")))
     except UnsupportedRouting as why:
         warn_once(f"unsupported:{why}", f"layer {kwargs.get('layer_id')}: {why}; passing through")
         return None
@@ -125,7 +127,8 @@ def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dic
         return None
     if result is None:
         return None
-    STATE.rewrites += 1
+    if not torch.compiler.is_compiling():  # a Python counter traced by Dynamo would become a recompiling guard
+        STATE.rewrites += 1
     return args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}
 
 

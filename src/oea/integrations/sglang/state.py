@@ -2,7 +2,8 @@
 
 The phase hooks (``hooks.py``) push each forward's ``ForwardMode`` on a per-thread stack; the rewrite
 (``routing.py``) reads it through ``decode_active``. A decode CUDA graph captured under the stack bakes
-OEA in, prefill/extend graphs bake it out.
+OEA in, prefill/extend graphs bake it out. Beside each mode they push the batch's row frame
+(``padding.py``), and ``State`` holds the per-device count of real rows that captured routing reads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from oea.config import EnvSettings
 from oea.routing import LayerK0Schedule, OEAConfig, RouterSpec
 
@@ -24,6 +27,7 @@ log = logging.getLogger("oea.integrations.sglang")
 class _PhaseStack(threading.local):
     def __init__(self) -> None:
         self.modes: list[Any] = []  # ForwardMode per entered forward; None = inherit the outer one
+        self.rows: list[Any] = []  # padding.RowsFrame per entered forward; None = inherit the outer one
         self.dynamic_bias = False
 
 
@@ -42,6 +46,13 @@ class State:
     # id(topk_config) -> (config, E, its RouterSpec or the reason it passes through)
     specs: dict[int, tuple[Any, int, RouterSpec | str]] = dataclasses.field(default_factory=dict)
     warned: set[str] = dataclasses.field(default_factory=set)
+    # padding.py: device -> persistent 0-dim int32 count of real rows (and its last written value)
+    padding_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    padding_values: dict[str, int] = dataclasses.field(default_factory=dict)
+    padding_fills: int = 0  # writes of a count (host-to-device copies), all devices
+    padding_replay: tuple[Any, int] | None = None  # (batch a CPU graph runner prepared, its real rows)
+    padding_hooked: dict[str, bool] | None = None  # {"cuda", "cpu"}: replay hook installed (first forward)
+    padding_mechanisms: set[str] = dataclasses.field(default_factory=set)  # "sglang" / "oea" / "none" seen
 
 
 STATE = State()  # one per process, never replaced (tests swap its fields)
@@ -64,7 +75,11 @@ def current_forward_mode() -> Any:
 
 def decode_active() -> bool:
     """True when this thread is inside a DECODE forward (or TARGET_VERIFY with OEA_APPLY_TO_VERIFY=1)."""
-    mode = current_forward_mode()
+    return mode_rerouted(current_forward_mode())
+
+
+def mode_rerouted(mode: Any) -> bool:
+    """Whether OEA reroutes forwards in ``mode``: DECODE, and TARGET_VERIFY with OEA_APPLY_TO_VERIFY=1."""
     if mode is None:
         return False
     if _call_predicate(mode, "is_decode"):
