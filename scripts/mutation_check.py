@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation run")
     parser.add_argument("--baseline", action="store_true",
                         help="first run each distinct test selection unmutated; skip those that already fail")
+    parser.add_argument("--markdown", type=Path, metavar="FILE",
+                        help="also write the results as a Markdown table (mutation, file, bug, result, killing test)")
     args = parser.parse_args(argv)
     mutations = load_catalogue(args.catalogue)
     if args.only:
@@ -149,15 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     broken = baseline_failures(mutations, args.python, args.timeout) if args.baseline else set()
     survivors = 0
+    table = ["| mutation | file | the bug | result | first failing test |", "|---|---|---|---|---|"]
     for m in mutations:
         if (m.tests, m.marks) in broken:
-            survivors += 1
-            print(f"{'error':11s} {m.id:40s} {0.0:6.1f} s  its tests fail without the mutation", flush=True)
-            continue
-        status, detail, seconds = run(m, args.python, args.timeout)
+            status, detail, seconds = "error", "its tests fail without the mutation", 0.0
+        else:
+            status, detail, seconds = run(m, args.python, args.timeout)
         survivors += status != "killed"
         print(f"{status:11s} {m.id:40s} {seconds:6.1f} s  {detail}", flush=True)
+        killer = detail.split("  (")[0] if status == "killed" else detail
+        table.append(f"| `{m.id}` | `{m.file}` | {m.why} | {status} | `{killer}` |")
     print(f"{len(mutations) - survivors}/{len(mutations)} mutations killed")
+    if args.markdown is not None:
+        args.markdown.write_text("\n".join(table) + "\n")
     return 0 if survivors == 0 else 1
 
 
