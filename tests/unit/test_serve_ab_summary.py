@@ -117,11 +117,16 @@ def test_restart_rounds_can_extend_an_earlier_run(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(launch, "wait_healthy", lambda server, timeout: None)
     monkeypatch.setattr(launch, "stop_server", lambda server: None)
     monkeypatch.setattr(serve_ab, "run_benchmark", fake_run)
+    import oea.launch.priority as priority
+
+    own_priority = []
+    monkeypatch.setattr(priority, "set_priority", lambda nice, flag: own_priority.append((nice, flag)))
     cfg = BenchConfig(rounds=2, seed=7)
     rows = serve_ab.run_restarted({"off": {}, "k3": {"OEA_K0": "3"}}, ["--", "--model", "m"], cfg, tmp_path,
                                   tmp_path / "ab.jsonl", None, 1.0, progress=False, server_nice=-5, first_round=3)
     assert [(r["arm"], r["round"]) for r in rows] == [("k3", 3), ("off", 3), ("off", 4), ("k3", 4)]
     assert started[0] == ("3", "engine-k3-round3.jsonl", -5) and seeds == [307, 307, 407, 407]
+    assert own_priority == [(-5, "--server-nice")]  # the client gets the servers' priority
     assert len((tmp_path / "ab.jsonl").read_text().splitlines()) == 4
     with pytest.raises(ValueError, match="--first-round must be >= 0"):
         serve_ab.run_restarted({"off": {}}, ["--model", "m"], cfg, tmp_path, None, None, 1.0, False, first_round=-1)
@@ -134,3 +139,24 @@ def test_wait_for_load_polls_until_the_machine_is_quiet() -> None:
     assert waited == 20.0 and slept == [10.0, 10.0]
     assert wait_for_load(None, 600.0, loadavg=lambda: (99.0, 0.0, 0.0), sleep=slept.append) == 0.0
     assert wait_for_load(1.0, 25.0, poll=10.0, loadavg=lambda: (99.0, 0.0, 0.0), sleep=lambda s: None) == 30.0
+
+
+def test_set_priority_sets_nice_and_the_session_autogroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import oea.launch.priority as priority
+
+    calls = []
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-7 nice 0\n")
+    monkeypatch.setattr(priority, "AUTOGROUP", group)
+    monkeypatch.setattr(priority.os, "setpriority", lambda *args: calls.append(args))
+    priority.set_priority(-10)
+    assert calls == [(priority.os.PRIO_PROCESS, 0, -10)] and group.read_text() == "-10"
+    with pytest.raises(ValueError, match=r"--nice must be in -20\.\.19, got 25"):
+        priority.set_priority(25)
+
+    def refuse(*_args: object) -> None:
+        raise PermissionError("EPERM")
+
+    monkeypatch.setattr(priority.os, "setpriority", refuse)
+    with pytest.raises(ValueError, match="--server-nice -5: not permitted"):
+        priority.set_priority(-5, "--server-nice")

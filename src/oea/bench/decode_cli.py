@@ -124,10 +124,12 @@ def _decode(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     _passive_wait(config)
-    progress = None
-    if not args.json:
-        def progress(text: str) -> None:
-            print(f"  {text}", file=sys.stderr, flush=True)
+    if args.nice is not None:
+        from oea.launch.priority import set_priority
+
+        set_priority(args.nice)
+    def progress(text: str) -> None:  # stderr, also with --json (stdout): long runs show where they are
+        print(f"  {text}", file=sys.stderr, flush=True)
 
     result = run_decode_bench(config, progress)
     result["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
@@ -170,6 +172,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="decode step as a captured CUDA graph (capture), torch.compile reduce-overhead (compile) or "
                    "eager (none); auto: capture on CUDA, none on CPU")
     p.add_argument("--no-identity-check", action="store_true", help="skip the k0 = top_k identical-tokens check")
+    p.add_argument("--nice", type=int, metavar="N",
+                   help="scheduling priority of this process and its session (-20..19; below 0 needs root): keeps "
+                   "other jobs on a shared machine from timing the scheduler")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="PATH", help="PNG of step latency and ratio to vanilla vs batch size")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

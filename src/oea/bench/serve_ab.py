@@ -182,6 +182,10 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
     Ctrl-C does)."""
     if first_round < 0:
         raise ValueError(f"--first-round must be >= 0, got {first_round}")
+    if server_nice is not None:  # the client times the stream: it gets the servers' priority too
+        from oea.launch.priority import set_priority
+
+        set_priority(server_nice, "--server-nice")
     from oea.launch.vllm_cli import strip_separator
 
     vllm_args = strip_separator(vllm_args)

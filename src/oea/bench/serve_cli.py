@@ -72,8 +72,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--load-wait", type=float, default=1800.0, metavar="S",
                    help="restart mode: longest wait for --max-load before starting anyway (seconds)")
     p.add_argument("--server-nice", type=int, metavar="N",
-                   help="restart mode: scheduling priority of each server (-20..19; e.g. -5 so that other jobs on "
-                        "a shared machine do not time the server; below 0 needs root)")
+                   help="restart mode: scheduling priority of each server and of this client, session autogroup "
+                        "included (-20..19; e.g. -10 so that other jobs on a shared machine do not time the "
+                        "server; below 0 needs root)")
     p.add_argument("--python", help="restart mode: interpreter with vLLM installed (default: this one)")
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -111,12 +111,14 @@ def start_server(
 
     ``--host 127.0.0.1`` is added when the arguments name no host, and ``VLLM_CPU_KVCACHE_SPACE=1`` when
     nothing sizes memory (``memory_defaults``). Output goes to ``log_path`` (inherited stdout/stderr when
-    None). ``nice``: the server's scheduling priority (-20..19, inherited by its workers; below 0 needs root
-    or CAP_SYS_NICE): a benchmark can keep other jobs on a shared machine from timing the server instead of
-    the model. Returns at once; call ``wait_healthy`` next.
+    None). ``nice``: the server's scheduling priority (-20..19, its session's autogroup included, inherited by
+    its workers; below 0 needs root or CAP_SYS_NICE; ``oea.launch.priority``): a benchmark can keep other
+    jobs on a shared machine from timing the server instead of the model. Returns at once; call
+    ``wait_healthy`` next.
     """
     if nice is not None and not -20 <= nice <= 19:
         raise ValueError(f"--server-nice must be in -20..19, got {nice}")
+    from oea.launch.priority import set_priority
     args = list(vllm_args)
     if _option(args, "--host") is None:
         args += ["--host", "127.0.0.1"]
@@ -136,7 +138,8 @@ def start_server(
             stdout=log_file,
             stderr=subprocess.STDOUT if log_file is not None else None,
             start_new_session=True,
-            preexec_fn=None if nice is None else (lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)),
+            # runs in the child after setsid: the new session's autogroup gets the priority too
+            preexec_fn=None if nice is None else (lambda: set_priority(nice, "--server-nice")),
         )
     except subprocess.SubprocessError as err:
         raise ValueError(f"cannot start the server with priority {nice} (--server-nice; below 0 needs root or "
