@@ -33,7 +33,7 @@ from oea.config import (
 from oea.integrations.recorder import trace_path_problem
 from oea.integrations.vllm.metrics import MetricsWriter
 from oea.integrations.vllm.recording import start_recording
-from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper
+from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper, oea_route_for
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.integrations.vllm.steps import begin_step, end_step
 from oea.kernels import choose_impl, route_fast
@@ -248,13 +248,15 @@ def _warm_up_kernels(device: torch.device | None) -> None:
     cfg = STATE.settings.oea if STATE.settings is not None else None
     if cfg is None or (device is not None and device.type != "cpu"):
         return
-    specs = [spec for spec in STATE.specs if spec is not None]
-    probe = [spec for spec in specs if choose_impl(torch.zeros(2, spec.num_experts), spec, cfg) == "numba"]
+    probe = [(i, spec) for i, spec in enumerate(STATE.specs)
+             if spec is not None and choose_impl(torch.zeros(2, spec.num_experts), spec, cfg) == "numba"]
     if not probe:
         return
     started = time.perf_counter()
-    for dtype in (torch.bfloat16, torch.float32):
-        route_fast(torch.zeros(2, probe[0].num_experts, dtype=dtype), probe[0], cfg)
+    router_id, spec = probe[0]
+    for dtype in (torch.bfloat16, torch.float32):  # the op's own path: its int32 buffers, fp32 and bf16 logits
+        oea_route_for(spec, torch.zeros(2, spec.num_experts, dtype=dtype), None, router_id)
+        route_fast(torch.zeros(2, spec.num_experts, dtype=dtype), spec, cfg)  # and the int64 one (GPU-less tools)
     log.info("oea: numba routing kernels ready in %.1f s", time.perf_counter() - started)
 
 
