@@ -20,6 +20,7 @@ from oea.routing import OEAConfig, route
 
 torch.set_num_threads(1)
 N, K = 64, 8
+FLAGS_IN_STEP: list[tuple[bool, bool]] = []  # (Python flag, device flag) seen by each step's routing call
 
 
 def _logits(rows: int, seed: int) -> torch.Tensor:
@@ -40,6 +41,8 @@ def _step(router: CPURouter, tokens_per_request: list[int], logits: torch.Tensor
     plugin_steps.begin_step(scheduler_output(tokens_per_request))
     try:
         out = plugin_routing.cpu_route_body(logits, stock[0], stock[1], 0)
+        state = plugin_routing.STATE
+        FLAGS_IN_STEP.append((state.decode, bool(state.decode_flag)))
     finally:
         plugin_steps.end_step()
     return out, stock
@@ -58,7 +61,8 @@ def test_prefill_steps_after_decode_steps_keep_stock_routing(monkeypatch: pytest
         logits = _logits(sum(tokens), seed=n)
         out, stock = _step(router, tokens, logits)
         decode = all(t == 1 for t in tokens)
-        assert state.decode is decode and bool(state.decode_flag) is decode, f"step {n}: flag not set per step"
+        assert FLAGS_IN_STEP[-1] == (decode, decode), f"step {n}: flag not set per step"
+        assert not state.decode and not bool(state.decode_flag), f"step {n}: flag not cleared after the step"
         if decode:
             torch.testing.assert_close(dense(*out, N), _oea(logits, 2))
             assert not torch.equal(dense(*out, N), dense(*stock, N))
@@ -113,7 +117,7 @@ def test_metrics_record_what_each_step_routed(monkeypatch: pytest.MonkeyPatch) -
     router = CPURouter()
     state = fresh_state(monkeypatch, {"OEA_K0": "1"}, router)
     added: list[plugin_metrics.StepRecord] = []
-    state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record)})()
+    state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record), "outside_rows": 0})()
     for n, tokens in enumerate([[4], [1, 1, 1], [1], [5]]):
         _step(router, tokens, _logits(sum(tokens), seed=20 + n))
     plugin_steps.begin_step(scheduler_output([1, 1]))  # a step that ran no MoE layer writes no row
@@ -125,6 +129,26 @@ def test_metrics_record_what_each_step_routed(monkeypatch: pytest.MonkeyPatch) -
         assert not record.oea
         assert int(record.active[0]) == int(record.active_stock[0])
     assert (prefill.rows, single.rows, prefill_again.rows) == (4, 1, 5)
+    assert all(r.padding_rows == 0 and len(r.routed[0]) == 16 for r in added)
+    assert decode.routed[0] == plugin_metrics.routed_hash(*reversed(_step(router, [1, 1, 1], _logits(3, 21))[0]),
+                                                          None), "the hash is of the routed ids and weights"
+
+
+def test_forwards_outside_a_step_keep_stock_routing_and_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DP rank's dummy batch or a warm-up run calls the router outside ``execute_model``: after a decode step
+    the flag is cleared, so it routes as vLLM does; its rows go into the next step's ``outside_rows``."""
+    install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": "1"}, router)
+    added: list[plugin_metrics.StepRecord] = []
+    state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record), "outside_rows": 0})()
+    _step(router, [1, 1, 1, 1], _logits(4, seed=30))  # a rerouted decode step
+    logits = _logits(3, seed=31)
+    stock = router.route_stock(logits)
+    _assert_stock(plugin_routing.cpu_route_body(logits, stock[0], stock[1], 0), stock)  # a dummy batch
+    _step(router, [1, 1], _logits(2, seed=32))
+    assert added[0].oea and added[0].outside_rows == 0
+    assert added[1].outside_rows == 3 and state.metrics.outside_rows == 0
 
 
 def test_graph_wrapper_keeps_appended_shared_expert_columns(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,3 +218,30 @@ def test_graph_wrapper_min_batch_and_decode_flag_inside_a_compiled_graph(monkeyp
             torch.testing.assert_close(dense(weights[:real], ids[:real], N), _oea(logits[:real], 1))
         else:
             torch.testing.assert_close(dense(weights, ids, N), stock)
+
+
+def test_k0_top_k_keeps_vllms_own_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """k0 = top_k keeps every token's top-k: vLLM's routing is handed back as it is (slot order, weights)."""
+    install_vllm(monkeypatch)
+    router = CPURouter()
+    state = fresh_state(monkeypatch, {"OEA_K0": str(K)}, router)
+    added: list[plugin_metrics.StepRecord] = []
+    state.metrics = type("Sink", (), {"add": lambda self, step, record: added.append(record), "outside_rows": 0})()
+    out, stock = _step(router, [1, 1, 1, 1], _logits(4, seed=40))
+    _assert_stock(out, stock)
+    assert added[0].decode and not added[0].oea
+
+
+def test_logits_gathered_across_dp_ranks_keep_stock_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A routing call holding more rows than the largest DP rank's batch has other ranks' rows (vLLM's naive
+    DP dispatch gathers them before routing): ranks may be in different phases there, so stock routing."""
+    from types import SimpleNamespace
+
+    context = install_vllm(monkeypatch)
+    router = CPURouter()
+    fresh_state(monkeypatch, {"OEA_K0": "2"}, router)
+    context.dp_metadata = SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor([3, 5]))
+    out, stock = _step(router, [1] * 8, _logits(8, seed=41))  # 3 + 5 gathered rows
+    _assert_stock(out, stock)
+    out, stock = _step(router, [1] * 5, _logits(5, seed=42))  # this rank's own 5 rows
+    torch.testing.assert_close(dense(*out, N), _oea(_logits(5, seed=42), 2))

@@ -11,6 +11,7 @@ import torch
 
 from oea.config import metrics_flush_interval, settings_from_env, timing_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version, same_routing
+from oea.integrations.vllm.placement import doctor_placement
 from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
 from oea.integrations.vllm.state import STATE
 from oea.routing import OEAConfig, active_experts, route
@@ -41,6 +42,7 @@ def doctor_checks() -> list[dict[str, Any]]:
         return checks
     checks.extend(_hook_target_checks())
     checks.append(_self_test())
+    checks.append(check_call("ep placement", doctor_placement))
     return checks
 
 
@@ -58,6 +60,7 @@ def _check_environment() -> str:
                            "for vLLM")
     if settings.oea is not None:
         mode = f"OEA on: k0={settings.oea.k0} min_batch={settings.oea.min_batch}"
+        mode += " policy=ep (EP-aware OEA on vLLM's expert placement)" if settings.policy == "ep" else ""
     else:
         mode = "observe: stock routing, measured" if settings.metrics_file or timing else "OEA off"
     extras = [f"metrics to {settings.metrics_file}" if settings.metrics_file else "", "timing" if timing else ""]

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 
 import oea.integrations.vllm.recording as recording
+from oea.integrations.vllm.metrics import routed_hash
+from oea.integrations.vllm.parallel import gathered_across_dp
+from oea.integrations.vllm.placement import config_for
 from oea.integrations.vllm.state import STATE
 from oea.kernels import NumbaRouter, plan, route_fast
 from oea.routing import RouterSpec, active_experts, route
@@ -63,11 +66,18 @@ def step_rows(rows: int) -> tuple[torch.Tensor | None, int]:
     return _STEP_ROWS["value"]
 
 
+def keeps_every_top_k(cfg: Any, spec: RouterSpec) -> bool:
+    """k0 >= top_k (and no lower cap): OEA keeps every token's own top-k, so vLLM's output is kept as it is
+    (its slot order and its weights' precision, e.g. the bf16 softmax of ``_softmax_topk``, included)."""
+    k0, cap = getattr(cfg, "k0", 0), getattr(cfg, "max_experts", None)
+    return k0 >= spec.top_k and (cap is None or cap >= spec.top_k)
+
+
 def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor) -> NumbaRouter | None:
     """The router's prepared numba kernel (None: only ``oea.route`` reproduces this config), made once."""
     cached = _CPU_ROUTERS.get(router_id)
     if cached is None or cached[0] is not STATE.settings or cached[1] is not spec:
-        cfg = STATE.settings.oea if STATE.settings is not None else None
+        cfg = config_for(router_id)
         impl, params = plan(router_logits, spec, cfg)
         kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
             impl == "numba" and params is not None) else None
@@ -82,9 +92,10 @@ def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Te
 
     CPU routers with an id take their prepared numba kernel and write into the router's buffers for this
     row count (reused every step); code that Dynamo traces uses ``oea::gpu_route`` on CUDA and
-    ``oea.route`` elsewhere; everything else goes through ``route_fast``.
+    ``oea.route`` elsewhere; everything else goes through ``route_fast``. The config is the router's
+    (``placement.config_for``: ``EPOEAConfig`` under ``OEA_POLICY=ep``, else ``OEA_K0``'s).
     """
-    cfg = STATE.settings.oea if STATE.settings is not None else None
+    cfg = config_for(router_id)
     if router_id is not None and router_logits.device.type == "cpu" and not torch.compiler.is_compiling():
         kernel = _cpu_router(router_id, spec, router_logits)
         if kernel is not None:
@@ -116,7 +127,7 @@ def define_gpu_op() -> None:
     def gpu_route(router_logits: torch.Tensor, valid: torch.Tensor | None, router_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         spec = STATE.specs[router_id]
-        cfg = STATE.settings.oea if STATE.settings is not None else None
+        cfg = config_for(router_id)
         ids, weights = route_fast(router_logits, spec, cfg, valid)  # type: ignore[arg-type]
         return weights, ids.to(torch.int32)
 
@@ -160,13 +171,13 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     rows = router_logits.shape[0]
     if STATE.trace_step:
         recording.stage(router_id, router_logits)  # the router's own logits, before any rewrite
-    cfg = STATE.settings.oea if STATE.settings is not None else None
-    rewrite = STATE.decode and cfg is not None and spec is not None
+    cfg = config_for(router_id)
+    rewrite = STATE.decode and cfg is not None and spec is not None and not keeps_every_top_k(cfg, spec)
     start = time.perf_counter() if STATE.timing else 0.0
     valid = None
     if rewrite:
         valid, num_valid = step_rows(rows)
-        rewrite = num_valid >= cfg.min_batch  # type: ignore[union-attr]
+        rewrite = num_valid >= cfg.min_batch and not gathered_across_dp(rows)  # type: ignore[union-attr]
     if rewrite:
         weights, ids = oea_route_for(spec, router_logits, valid, router_id)  # type: ignore[arg-type]
         elapsed_us = (time.perf_counter() - start) * 1e6 if STATE.timing else 0.0
@@ -182,12 +193,16 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
         if valid is None and not rewrite:
             valid = step_rows(rows)[0]
         record.rows = rows if valid is None else int(valid.sum())
+        record.padding_rows = rows - record.rows
         record.oea = record.oea and rewrite
+        record.routed[router_id] = routed_hash(ids, weights, valid)
         record.active[router_id] = active_experts(ids, weights, valid)
         if cfg is not None:  # counted from vLLM's own output on every step, so a wrongly rewritten step shows
             record.active_stock[router_id] = active_experts(stock_ids, stock_weights, valid)
         if STATE.timing:
             record.routing_us[router_id] = elapsed_us
+    elif STATE.metrics is not None and router_id == next(i for i, s in enumerate(STATE.specs) if s is not None):
+        STATE.metrics.outside_rows += rows  # a forward outside any engine step (DP dummy batch, warm-up): stock
     return weights, ids
 
 
@@ -243,7 +258,7 @@ def graph_wrapper(original: Any) -> Any:
             return weights, ids
         spec = STATE.specs[router_id]
         tracing = _tracing()
-        if not tracing and not STATE.decode:
+        if (not tracing and not STATE.decode) or keeps_every_top_k(config_for(router_id), spec):
             return weights, ids
         k = spec.top_k
         valid = _valid_rows(router_logits.shape[0])

@@ -36,11 +36,17 @@ def begin_step(scheduler_output: Any) -> None:
     STATE.step += 1
     recording.begin(scheduler_output, decode)  # OEA_TRACE_FILE: record this step or not
     if STATE.metrics is not None:
-        STATE.record = StepRecord(decode=decode, oea=STATE.mode == "oea")  # cleared by any stock layer
+        STATE.record = StepRecord(decode=decode, oea=STATE.mode == "oea",  # oea: cleared by any stock layer
+                                  outside_rows=STATE.metrics.outside_rows)
+        STATE.metrics.outside_rows = 0
 
 
 def end_step() -> None:
-    """After a step: hand its metrics record (if any layer routed) to the writer."""
+    """After a step: hand its metrics record (if any layer routed) to the writer, and clear the decode flag,
+    so that forwards outside ``execute_model`` (a DP rank's dummy batches, warm-up) keep vLLM's routing."""
+    STATE.decode = False
+    if STATE.decode_flag is not None:
+        STATE.decode_flag.fill_(False)
     record, STATE.record = STATE.record, None
     if record is not None and STATE.metrics is not None and record.active:
         STATE.metrics.add(STATE.step, record)
