@@ -5,6 +5,7 @@ Usage (from the repository root)::
     .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py routing   # prints one JSON object
     .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py fallbacks # a hook target missing; direct patching
     .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py bad-env   # load_plugins() with a bad OEA_K0
+    .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py padding   # CUDA-graph padding (sglang_padding_checks.py)
 
 ``routing`` loads the plugin through SGLang's own ``load_plugins()`` twice in one process: first
 with OEA off (nothing may change), then with ``OEA_K0=3`` (hooks applied by SGLang's HookRegistry),
@@ -336,13 +337,18 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["fallbacks"]:
         print(json.dumps(run_fallbacks()))
         return 0
+    if argv[:1] in (["padding"], ["padding-missing"]):  # CUDA-graph padding rows: sglang_padding_checks.py
+        from sglang_padding_checks import run_padding, run_padding_missing
+
+        print(json.dumps(run_padding() if argv[0] == "padding" else run_padding_missing()))
+        return 0
     if argv[:1] == ["bad-env"]:  # SGLang's own loader with a malformed OEA_K0: must stop the process
         import sglang.srt.plugins as plugins
 
         plugins.load_plugins()
         print(json.dumps({"started": True}))
         return 0
-    print("usage: sglang_cpu_checks.py routing|fallbacks|bad-env", file=sys.stderr)
+    print("usage: sglang_cpu_checks.py routing|fallbacks|padding|padding-missing|bad-env", file=sys.stderr)
     return 2
 
 

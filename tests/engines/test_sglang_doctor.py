@@ -32,6 +32,9 @@ def test_doctor_passes_as_a_user_runs_it() -> None:
     assert any(line.startswith("  [ok] hooks live: OEA off") for line in lines), proc.stdout
     assert any(line.startswith("  [ok] self-test select_experts:") and "equal to oea.route" in line
                for line in lines), proc.stdout
+    assert any(line.startswith("  [ok] cuda-graph padding: OEA off; with OEA_K0 set, OEA's replay count "
+                               "(DecodeCudaGraphRunner.load_batch, CPUGraphRunner.prepare_replay)")
+               for line in lines), proc.stdout
 
 
 def test_doctor_shows_hook_live_with_oea_on() -> None:
@@ -50,6 +53,10 @@ def test_doctor_shows_hook_live_with_oea_on() -> None:
     assert "k0=3" in checks["environment"]["detail"]
     assert "equal to oea.route" in checks["self-test select_experts"]["detail"]
     assert any(name.startswith("hook target") and "_post_process_topk_ids" in name for name in checks)
+    padding = checks["cuda-graph padding"]  # which mechanism bounds CUDA-graph padding rows here
+    assert padding["ok"] and padding["detail"].startswith("OEA's replay count (DecodeCudaGraphRunner.load_batch, "
+                                                          "CPUGraphRunner.prepare_replay hooked)"), padding
+    assert "num_token_non_padded" in padding["detail"], padding
 
 
 def test_malformed_k0_stops_sglang_plugin_loading() -> None:
