@@ -32,6 +32,7 @@ from oea.config import (
 )
 from oea.integrations.recorder import trace_path_problem
 from oea.integrations.vllm.metrics import MetricsWriter
+from oea.integrations.vllm.placement import setup as setup_ep_placements
 from oea.integrations.vllm.recording import start_recording
 from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper, oea_route_for
 from oea.integrations.vllm.state import STATE, log, warn_once
@@ -209,6 +210,7 @@ def _after_load(model: torch.nn.Module) -> None:
 
     device = None
     found = 0
+    rewritable = []  # (router id, layer, router): OEA_POLICY=ep reads each layer's expert placement
     for name, module in model.named_modules():
         if device is None:
             param = next(module.parameters(recurse=False), None)
@@ -230,6 +232,9 @@ def _after_load(model: torch.nn.Module) -> None:
         router._oea_layer = name
         STATE.routers.append(router)
         STATE.specs.append(spec)
+        if spec is not None:
+            rewritable.append((router._oea_router_id, module, router))
+    setup_ep_placements(rewritable)
     STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
     _warm_up_kernels(device)
     if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
