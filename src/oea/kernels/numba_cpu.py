@@ -242,6 +242,7 @@ class NumbaRouter:
         bias = torch.zeros(num_experts) if correction_bias is None else correction_bias.detach().cpu()
         self._bias = bias.float().contiguous().numpy()
         self._all_valid: dict[int, Any] = {}
+        self._bound: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any, Any]] = {}
 
     def __call__(self, router_logits: torch.Tensor, valid: torch.Tensor | None = None,
                  ids_out: torch.Tensor | None = None, weights_out: torch.Tensor | None = None
@@ -251,6 +252,7 @@ class NumbaRouter:
         k = self.params.top_k
         ids = torch.empty((rows, k), dtype=torch.int64) if ids_out is None else ids_out
         weights = torch.empty((rows, k), dtype=torch.float32) if weights_out is None else weights_out
+        ids_np, weights_np = self._views(ids, weights, ids_out is not None and weights_out is not None)
         if valid is None:
             ok = self._all_valid.get(rows)
             if ok is None:
@@ -262,11 +264,24 @@ class NumbaRouter:
             x = torch.sigmoid(x.float())
         if x.dtype == torch.bfloat16:
             self._route_bf16(x.view(torch.int16).numpy(), self._bias, ok, self._packed, self.params.scaling,
-                             ids.numpy(), weights.numpy())
+                             ids_np, weights_np)
         else:
-            self._route_scores(x.float().numpy(), self._bias, ok, self._packed, self.params.scaling, ids.numpy(),
-                               weights.numpy())
+            self._route_scores(x.float().numpy(), self._bias, ok, self._packed, self.params.scaling, ids_np,
+                               weights_np)
         return ids, weights
+
+    def _views(self, ids: torch.Tensor, weights: torch.Tensor, reused: bool) -> tuple[Any, Any]:
+        """numpy views of the outputs; a caller's reused buffers keep theirs (the entry holds the tensors, so
+        an id is never reused while its view is cached)."""
+        if not reused:
+            return ids.numpy(), weights.numpy()
+        key = (id(ids), id(weights))
+        found = self._bound.get(key)
+        if found is None:
+            if len(self._bound) > 1024:
+                self._bound.clear()
+            found = self._bound[key] = (ids, weights, ids.numpy(), weights.numpy())
+        return found[2], found[3]
 
 
 @functools.lru_cache(maxsize=64)
