@@ -19,6 +19,7 @@ import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, same_routing, version_tuple
 from oea.integrations.sglang.hooks import hook_plan, hooks_status, padding_targets, target_hooked
+from oea.integrations.sglang.placement import doctor_placement
 from oea.integrations.sglang.plugin import install, register
 from oea.integrations.sglang.state import forward_mode
 from oea.integrations.sglang.targets import engine_version
@@ -51,6 +52,7 @@ def doctor_checks() -> list[dict[str, Any]]:
                                                                "until then SGLang serves without OEA"))
     if imports_ok:
         checks.append(check_call("cuda-graph padding", _check_padding))
+        checks.append(check_call("ep placement", doctor_placement))
     return checks
 
 
@@ -83,7 +85,8 @@ def _check_environment() -> str:
         f"experts, top_k {schedule.top_k}" + ("; its batch_k0 ranges are not read)" if schedule.batch_k0 else ")"))
     return (f"OEA on: k0={settings.oea.k0}, min_batch={settings.oea.min_batch}, "
             f"max_experts={settings.oea.max_experts or 'top_k'}, group_fill={settings.oea.group_fill}, "
-            f"apply_to_verify={settings.apply_to_verify} ({source}){layers}")
+            f"apply_to_verify={settings.apply_to_verify}{', policy=ep' if settings.policy == 'ep' else ''} "
+            f"({source}){layers}")
 
 
 def missing_dependency(err: BaseException) -> str | None:

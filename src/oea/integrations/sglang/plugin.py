@@ -20,6 +20,7 @@ import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_k0_schedule, settings_from_env, trace_settings_from_env
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
+from oea.integrations.sglang.placement import install as install_ep_placements
 from oea.integrations.sglang.routing import select_experts_around_legacy
 from oea.integrations.sglang.state import STATE, log, warn_once
 
@@ -59,6 +60,7 @@ def install(settings: EnvSettings) -> list[str]:
     STATE.layer_configs.clear()
     STATE.layer_schedule = layer_k0_schedule(settings)  # errors name OEA_LAYER_K0_FILE and the file
     STATE.settings = settings
+    install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
     STATE.specs.clear()
     if STATE.installed_targets:
         return list(STATE.installed_targets)
@@ -89,6 +91,7 @@ def install_without_registry(settings: EnvSettings) -> list[str]:
     rewrite of ``select_experts``' output (EPLB remap must be off there; such calls pass through).
     """
     STATE.settings = settings
+    install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
     STATE.specs.clear()
     recording.configure(trace_settings_from_env(), settings.apply_to_verify)
     patched: list[str] = []

@@ -22,6 +22,7 @@ import torch
 import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
+from oea.integrations.sglang.placement import ep_config
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
 from oea.integrations.sglang.state import PHASE, STATE, decode_active, log, warn_once
 from oea.kernels import route_fast
@@ -113,7 +114,8 @@ def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dic
             warn_once(f"unsupported:{spec}", f"layer {kwargs.get('layer_id')}: {spec}; passing through "
                                              "(further layers with this routing: silently)")
             return None
-        cfg = _layer_config(settings.oea, spec, kwargs.get("layer_id"))
+        cfg = ep_config(_layer_config(settings.oea, spec, kwargs.get("layer_id")), spec.num_experts,
+                        kwargs.get("layer_id"), router_logits.device)  # OEA_POLICY=ep: SGLang's placement
         result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
                               padding.bound(router_logits, kwargs.get("num_token_non_padded")))
     except UnsupportedRouting as why:

@@ -1,0 +1,155 @@
+"""EP-aware OEA in SGLang (``OEA_POLICY=ep``): each MoE layer's ``ExpertPlacement`` from SGLang's own EP layout.
+
+SGLang keeps one ``ExpertLocationMetadata`` per process (``get_global_expert_location_metadata``): the EP size,
+``physical_to_logical_map`` [layers, physical slots] (slot p lives on EP rank ``p // num_local_physical_experts``)
+and, with static dispatch, ``logical_to_rank_dispatch_physical_map`` [layers, logical]: the replica this rank
+sends each logical expert to. ``read_layer_placement`` turns one layer's rows into an ``ExpertPlacement`` over
+logical experts (``oea.integrations.placement.placement_from_slots``: every logical expert placed, each
+replicated one on the device of the replica this rank uses, or its first replica without static dispatch).
+
+Each layer's placement is read at its first decode routing call, on the router logits' device. SGLang runs
+every decode graph's forward twice eagerly before capturing it, so that call is never inside a capture and
+the captured graph reads the placement tensor without a host copy (a layer first met during a capture keeps
+plain OEA, with a warning). ``ExpertLocationMetadata.update`` (an EPLB rebalance) is wrapped by ``install``:
+the placements are reread right after it and copied into the same tensors, which captured graphs see; new
+metadata (SGLang replacing the object) is read again at the next eager call. A layer whose placement cannot
+be read, or a run without expert parallelism, keeps plain OEA with one warning per reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import torch
+
+from oea.integrations.placement import EPLayerConfigs, describe_placement, placement_from_slots
+from oea.integrations.sglang.state import STATE, log, warn_once
+from oea.routing import EPOEAConfig, ExpertPlacement, OEAConfig
+
+LOCATION_MODULE = "sglang.srt.eplb.expert_location"
+
+_DEVICE: dict[str, Any] = {"device": None, "metadata": None}
+_VARIANTS: dict[tuple[Any, int, int, str], EPOEAConfig] = {}  # per-layer k0 (OEA_LAYER_K0_FILE) on a placement
+
+
+def read_layer_placement(layer_id: Any) -> tuple[ExpertPlacement | None, str]:
+    """``(placement, description)`` of one SGLang MoE layer (by ``layer_id``), or ``(None, why)``."""
+    meta = importlib.import_module(LOCATION_MODULE).get_global_expert_location_metadata()
+    if meta is None:
+        return None, "SGLang has no expert location metadata (no expert parallelism for this model)"
+    if int(meta.ep_size) <= 1:
+        return None, "SGLang runs without expert parallelism (ep_size 1)"
+    if not isinstance(layer_id, int) or not 0 <= layer_id < meta.num_layers:
+        return None, f"layer_id {layer_id!r} is not in SGLang's expert location metadata ({meta.num_layers} layers)"
+    slots = meta.physical_to_logical_map_cpu[layer_id].tolist()
+    per_device = meta.num_local_physical_experts
+    dispatch = meta.logical_to_rank_dispatch_physical_map
+    serving = None if dispatch is None else dict(enumerate(dispatch[layer_id].cpu().tolist()))
+    try:
+        placement = placement_from_slots([slot // per_device for slot in range(len(slots))], slots,
+                                         meta.num_logical_experts, int(meta.ep_size), serving)
+    except ValueError as err:
+        return None, str(err)
+    device = _DEVICE["device"]
+    if device is not None:
+        placement = ExpertPlacement(placement.device_of_expert.to(device), placement.num_devices)
+    replicated = len(slots) - len(set(slots))
+    how = "static dispatch of this rank" if dispatch is not None else "first replica (no static dispatch)"
+    return placement, f"{describe_placement(placement, replicated)}; SGLang EP layout, replicas: {how}"
+
+
+CONFIGS = EPLayerConfigs(read_layer_placement)
+
+
+def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = None) -> OEAConfig | EPOEAConfig:
+    """The layer's routing config under ``OEA_POLICY=ep``: ``cfg`` as ``EPOEAConfig`` on the layer's placement
+    (read on ``device`` at the layer's first eager call), or ``cfg`` itself (plain OEA) when the policy is
+    ``oea`` or the layer has no usable placement."""
+    settings = STATE.settings
+    if settings is None or settings.policy != "ep":
+        return cfg
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    meta = importlib.import_module(LOCATION_MODULE).get_global_expert_location_metadata()
+    if meta is not _DEVICE["metadata"] and not capturing:  # first call, or SGLang replaced its metadata
+        _DEVICE["metadata"] = meta
+        CONFIGS.configs.clear()
+        CONFIGS.details.clear()
+        _VARIANTS.clear()
+    built = CONFIGS.configs.get(layer_id)
+    if built is None and layer_id not in CONFIGS.details:
+        if capturing:
+            warn_once(f"ep-capture:{layer_id}", f"OEA_POLICY=ep: layer {layer_id} was first met inside a CUDA-graph "
+                                                "capture, where its placement cannot be read; plain OEA there")
+            return cfg
+        _DEVICE["device"] = device
+        result = CONFIGS.build(layer_id, cfg)
+        if isinstance(result, str):
+            warn_once(f"ep:{result}", f"OEA_POLICY=ep: layer {layer_id} keeps plain OEA: {result}")
+        else:
+            log.info("oea: EP-aware OEA on layer %s: %s", layer_id, CONFIGS.details[layer_id])
+        built = CONFIGS.configs.get(layer_id)
+    if built is None:
+        return cfg
+    if built.placement.device_of_expert.numel() != num_experts:
+        warn_once(f"ep-size:{layer_id}", f"OEA_POLICY=ep: layer {layer_id} routes {num_experts} experts but its "
+                                         f"placement has {built.placement.device_of_expert.numel()}; plain OEA")
+        return cfg
+    if (built.k0, built.min_batch, built.group_fill) != (cfg.k0, cfg.min_batch, cfg.group_fill):
+        key = (layer_id, cfg.k0, cfg.min_batch, cfg.group_fill)
+        if key not in _VARIANTS:
+            _VARIANTS[key] = dataclasses.replace(built, k0=cfg.k0, min_batch=cfg.min_batch, group_fill=cfg.group_fill)
+        built = _VARIANTS[key]
+    return built
+
+
+def refresh() -> list[str]:
+    """Reread the placements after SGLang updated its expert location metadata (EPLB)."""
+    changed = CONFIGS.refresh()
+    if changed:
+        log.info("oea: EPLB rebalanced; EP-aware OEA placements updated: %s", ", ".join(changed))
+    return changed
+
+
+def install() -> list[str]:
+    """``OEA_POLICY=ep``: wrap ``ExpertLocationMetadata.update`` so that an EPLB rebalance rereads the placements."""
+    if STATE.settings is None or STATE.settings.policy != "ep":
+        return []
+    try:
+        metadata = importlib.import_module(LOCATION_MODULE).ExpertLocationMetadata
+    except (ImportError, AttributeError) as err:
+        warn_once("ep-import", f"OEA_POLICY=ep: SGLang's expert location metadata is missing ({err}); every layer "
+                               "keeps plain OEA")
+        return []
+    original = metadata.__dict__["update"]
+    if getattr(original, "_oea_wrapped", False):
+        return []
+
+    def update(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+        out = _original(self, *args, **kwargs)
+        if CONFIGS.configs:
+            refresh()
+        return out
+
+    update._oea_wrapped = True  # type: ignore[attr-defined]
+    metadata.update = update
+    return ["ExpertLocationMetadata.update"]
+
+
+
+def doctor_placement() -> str:
+    """``oea doctor sglang``: that SGLang's ``ExpertLocationMetadata`` has what the plugin reads, and the placement
+    the plugin would build from an SGLang EP = 8 layout (256 experts + 8 redundant slots, 33 per rank)."""
+    metadata = importlib.import_module(LOCATION_MODULE).ExpertLocationMetadata
+    fields = set(getattr(metadata, "__dataclass_fields__", {}))
+    needed = {"physical_to_logical_map_cpu", "logical_to_rank_dispatch_physical_map", "ep_size"}
+    missing = sorted(needed - fields) + [name for name in ("num_local_physical_experts", "num_logical_experts",
+                                                           "update") if not hasattr(metadata, name)]
+    if missing:
+        raise RuntimeError(f"SGLang's ExpertLocationMetadata lacks {missing}: OEA_POLICY=ep would keep plain OEA")
+    slots = list(range(256)) + list(range(8))
+    example = placement_from_slots([slot // 33 for slot in range(len(slots))], slots, 256, 8)
+    policy = STATE.settings.policy if STATE.settings is not None else "oea"
+    return (f"OEA_POLICY={policy}; reads ExpertLocationMetadata ({', '.join(sorted(needed))}); EP=8 example: "
+            f"{describe_placement(example, 8)}; a server logs each layer's placement at its first decode call")
