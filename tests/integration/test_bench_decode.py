@@ -162,3 +162,22 @@ def test_cli_json_with_a_small_inflation(capsys: pytest.CaptureFixture[str], tmp
     assert out["model"]["moe_intermediate_size"] == 64 and out["model"]["moe_intermediate_size_base"] == 48
     assert [r["label"] for r in out["rows"]] == ["vanilla", "oea k0=3"] and out["k0_top_k_identical"] is True
     assert plot.stat().st_size > 0
+
+
+def test_k0_equal_top_k_hands_the_router_s_own_routing_back_ties_included() -> None:
+    """Routers' top-k breaks exact ties in its own (implementation-defined) order, ``oea.route`` by the lower
+    index; at k0 = top_k ``oea.attach`` must keep the router's output, so the tokens are the model's."""
+    import oea
+    from oea.models import load_model
+
+    model, _tok = load_model(None, dtype=torch.bfloat16, experts_implementation="grouped_mm")
+    with torch.no_grad():
+        for layer in model.model.layers:  # experts 8..127 share one router row: 120-way exact ties
+            layer.mlp.gate.weight[8:] = layer.mlp.gate.weight[8]
+        tokens = torch.randint(5, 4000, (32, 1), generator=torch.Generator().manual_seed(3))
+        base = model(tokens).logits
+        with oea.attach(model, oea.OEAConfig(8)) as handle:
+            kept = model(tokens).logits
+            stats = handle.stats()[0]
+    assert stats["steps"] == 1 and stats["mean_active_experts"] == stats["mean_active_experts_vanilla"]
+    assert torch.equal(kept, base)

@@ -378,13 +378,15 @@ def test_model_cast_after_attach_follows_the_bias_buffer() -> None:
     """``model.to(dtype)`` replaces the correction-bias buffer; the hook must use the live one."""
     model = tiny_moe("deepseek_v3", top_k=TOP_K)
     prompt = torch.randint(1, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(9))
-    with attach(model, OEAConfig(k0=TOP_K)) as handle:
+    cfg = OEAConfig(k0=TOP_K - 1)  # k0 = top_k would hand the router's own routing back without rerouting
+    with attach(model, cfg) as handle:
         model.to(torch.bfloat16)
         tokens = _generate(model, prompt)
         spec = handle._hooks[0].spec
         assert spec.correction_bias is model.model.layers[0].mlp.gate.e_score_correction_bias
         assert spec.correction_bias.dtype == torch.bfloat16
-    assert torch.equal(tokens, _generate(model, prompt))
+    with attach(model, cfg):  # attached after the cast: built from the bf16 buffer from the start
+        assert torch.equal(tokens, _generate(model, prompt))
 
 
 def test_an_error_during_attach_leaves_no_hooks_behind() -> None:

@@ -157,6 +157,7 @@ def test_attach_hook_recomputation_reproduces_the_router(name: str, dtype: torch
     hook = _LayerHook(layer, OEAConfig(k0=layer.spec.top_k), _HandleState(decode_only=True))
     assert hook.validate() is None
     hook.validated = True
+    hook.keeps_own = False  # exercise the recomputation (at k0 = k attach hands the router's output back)
     x = _hidden(dtype, shape=(ROWS // 4, 4, HIDDEN))  # the [B, S, H] input DeepSeek-style gates receive
     with torch.no_grad():
         own = router(x)

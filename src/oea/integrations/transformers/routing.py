@@ -32,6 +32,13 @@ from oea.routing import OEAConfig, RouterSpec, route, router_scores
 _NUM_COUNTERS = 5
 
 
+def keeps_every_top_k(cfg: object | None, spec: RouterSpec) -> bool:
+    """k0 >= top_k (and no lower cap): every token keeps its own top-k, so the router's output is kept as it
+    is (its tie order and weight rounding included: k0 = top_k gives exactly the model's tokens)."""
+    k0, cap = getattr(cfg, "k0", 0), getattr(cfg, "max_experts", None)
+    return isinstance(k0, int) and k0 >= spec.top_k and (cap is None or cap >= spec.top_k)
+
+
 class _HandleState:
     """Flags every hook of one handle reads."""
 
@@ -50,6 +57,7 @@ class _LayerHook:
         self.spec = layer.spec
         self.decode = False
         self.validated = False
+        self.keeps_own = keeps_every_top_k(cfg, layer.spec)
         device = layer.router.weight.device if hasattr(layer.router, "weight") else torch.device("cpu")
         self.counts = torch.zeros(_NUM_COUNTERS, dtype=torch.int64, device=device)
         self.last_active = torch.zeros((), dtype=torch.int64, device=device)
@@ -90,7 +98,7 @@ class _LayerHook:
         ``own_weights.dtype``, ids are int64. Counts decode steps into the device counters.
         """
         decode = self.decode
-        active = self.state.enabled and self.validated and self.cfg is not None
+        active = self.state.enabled and self.validated and self.cfg is not None and not self.keeps_own
         rerouting = active and (decode or not self.state.decode_only)
         if not rerouting and not decode:
             return None
