@@ -14,7 +14,7 @@ import oea.integrations.vllm.doctor as plugin_doctor
 import oea.integrations.vllm.metrics as plugin_metrics
 import oea.integrations.vllm.plugin as plugin_hooks
 from oea.config import metrics_flush_interval
-from oea.integrations.vllm.state import STATE, State, log
+from oea.integrations.vllm.state import STATE, State
 
 torch.set_num_threads(1)
 
@@ -133,26 +133,33 @@ def test_doctor_without_vllm_reports_instead_of_raising(monkeypatch: pytest.Monk
     assert by_name["entry point registered"]["ok"], by_name["entry point registered"]["detail"]
 
 
-def test_doctor_fails_when_the_plugin_would_ignore_a_variable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING", "OEA_LAYER_K0_FILE"):
+def test_doctor_says_what_the_plugin_does_with_the_layer_k0_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING", "OEA_LAYER_K0_FILE", "OEA_TRACE_FILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OEA_K0", "2")
     assert plugin_doctor._check_environment() == "OEA on: k0=2 min_batch=2"
     monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "k0.json"))
-    env = {c["name"]: c for c in plugin.doctor_checks()}["environment"]
-    assert not env["ok"] and "the vLLM plugin does not read it" in env["detail"]
-    monkeypatch.delenv("OEA_LAYER_K0_FILE")
+    assert plugin_doctor._check_environment() == f"OEA on: k0=2 min_batch=2, k0 per layer from {tmp_path / 'k0.json'}"
     monkeypatch.delenv("OEA_K0")
+    env = {c["name"]: c for c in plugin.doctor_checks()}["environment"]
+    assert not env["ok"] and "OEA_K0 is not: OEA is off, so the per-layer k0 are not used" in env["detail"]
+    monkeypatch.delenv("OEA_LAYER_K0_FILE")
     monkeypatch.setenv("OEA_TIMING", "1")
     assert plugin_doctor._check_environment() == "observe: stock routing, measured, timing"
+    monkeypatch.delenv("OEA_TIMING")
+    monkeypatch.setenv("OEA_TRACE_FILE", str(tmp_path / "t.safetensors"))
+    assert plugin_doctor._check_environment() == (f"observe: stock routing, measured, recording 100% of decode steps "
+                                                  f"to {tmp_path / 't.safetensors'} (at most 1024 MB)")
 
 
-def test_layer_k0_file_is_not_silently_ignored(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-                                               tmp_path) -> None:
-    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING"):
+def test_a_broken_layer_k0_file_stops_start_up_naming_it(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_METRICS_FILE", "OEA_TIMING", "OEA_TRACE_FILE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OEA_K0", "2")
     monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "k0.json"))
     swap_state(monkeypatch, State())
-    with caplog.at_level("WARNING", logger=log.name):
+    with pytest.raises(ValueError, match=r"OEA_LAYER_K0_FILE=.*k0\.json.*not found"):
         plugin.register()
-    assert any("OEA_LAYER_K0_FILE is not supported by the vLLM plugin" in r.getMessage() for r in caplog.records)
+    (tmp_path / "k0.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"OEA_LAYER_K0_FILE=.*not valid JSON"):
+        plugin.register()

@@ -22,6 +22,23 @@ from oea.config import trace_settings_from_env
 from oea.traces import load_trace
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo caches the modules traced code imports (process-wide, ``symbolic_convert._import_module``): each
+    test's stand-in ``vllm.forward_context`` is a new module, so forget the cached one before and after."""
+    from torch._dynamo import symbolic_convert
+
+    def forget() -> None:
+        torch._dynamo.reset()
+        cached_import = getattr(symbolic_convert, "_import_module", None)
+        if hasattr(cached_import, "cache_clear"):
+            cached_import.cache_clear()
+
+    forget()
+    yield
+    forget()
 N, K = 64, 8
 
 
@@ -120,9 +137,8 @@ def test_sampling_records_only_the_chosen_steps(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_compiled_graph_wrapper_stages_every_call_and_records_sampled_decode_steps(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, fresh_dynamo: None) -> None:
     """The GPU-side wrapper traced as for CUDA graphs (observe mode): the staging copy is part of the graph."""
-    torch._dynamo.reset()
     state, _ = _start(monkeypatch, tmp_path, {}, routers=1)
     router = state.routers[0]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from oea.config import metrics_flush_interval, settings_from_env, timing_from_env
+from oea.config import metrics_flush_interval, settings_from_env, timing_from_env, trace_settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version, same_routing
 from oea.integrations.vllm.placement import doctor_placement
 from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
@@ -52,18 +52,21 @@ def _check_environment() -> str:
         settings = settings_from_env()
         timing = timing_from_env()
         metrics_flush_interval()
+        trace = trace_settings_from_env()
     except ValueError as err:  # the message names the variable
         raise RuntimeError(str(err)) from None
-    if settings.layer_k0_file:
-        raise RuntimeError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file} is set, but the vLLM plugin does not read "
-                           "it: every layer would use OEA_K0 (oea.attach and the SGLang plugin read it); unset it "
-                           "for vLLM")
+    if settings.layer_k0_file and settings.oea is None:
+        raise RuntimeError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file} is set but OEA_K0 is not: OEA is off, so the "
+                           "per-layer k0 are not used; set OEA_K0 to turn OEA on")
     if settings.oea is not None:
         mode = f"OEA on: k0={settings.oea.k0} min_batch={settings.oea.min_batch}"
         mode += " policy=ep (EP-aware OEA on vLLM's expert placement)" if settings.policy == "ep" else ""
     else:
-        mode = "observe: stock routing, measured" if settings.metrics_file or timing else "OEA off"
-    extras = [f"metrics to {settings.metrics_file}" if settings.metrics_file else "", "timing" if timing else ""]
+        mode = "observe: stock routing, measured" if settings.metrics_file or timing or trace else "OEA off"
+    extras = [f"metrics to {settings.metrics_file}" if settings.metrics_file else "", "timing" if timing else "",
+              f"k0 per layer from {settings.layer_k0_file}" if settings.layer_k0_file else "",
+              f"recording {trace.sample:.0%} of decode steps to {trace.path} (at most {trace.max_bytes / 2**20:g} MB)"
+              if trace else ""]
     return ", ".join([mode, *filter(None, extras)])
 
 

@@ -7,8 +7,8 @@
   logical->physical mapping;
 * ``WorkerWrapperBase.execute_model``: ``steps.begin_step`` / ``steps.end_step`` around each engine step;
 * ``Worker.load_model``: ``_after_load`` numbers the model's routers, validates ``OEA_K0`` against each
-  top_k, warns once about layers it cannot rewrite, allocates the decode flag on the model's device and
-  compiles the numba kernels;
+  top_k, reads ``OEA_LAYER_K0_FILE`` (``layers.py``), warns once about layers it cannot rewrite, allocates
+  the decode flag on the model's device, compiles the numba kernels and starts ``OEA_TRACE_FILE``'s recording;
 * ``FusedMoERouter.supports_monolithic_kernels`` (vLLM >= 0.33) reports False, so no monolithic kernel
   routes inside itself and bypasses OEA.
 """
@@ -25,12 +25,14 @@ import torch
 from oea.config import (
     TraceSettings,
     check_k0_against,
+    layer_k0_schedule,
     metrics_flush_interval,
     settings_from_env,
     timing_from_env,
     trace_settings_from_env,
 )
 from oea.integrations.recorder import trace_path_problem
+from oea.integrations.vllm.layers import load as load_layer_k0
 from oea.integrations.vllm.metrics import MetricsWriter
 from oea.integrations.vllm.placement import setup as setup_ep_placements
 from oea.integrations.vllm.recording import start_recording
@@ -61,9 +63,8 @@ def register() -> None:
     trace = _trace_settings()
     observed = settings.metrics_file or timing or trace is not None
     mode = "oea" if settings.oea is not None else ("observe" if observed else "off")
-    if settings.layer_k0_file:
-        warn_once("layer-k0", "OEA_LAYER_K0_FILE is not supported by the vLLM plugin yet (oea.attach and the "
-                               "SGLang plugin read it); every layer uses OEA_K0")
+    if settings.oea is not None:
+        layer_k0_schedule(settings)  # OEA_LAYER_K0_FILE readable and well-formed, else start-up stops naming it
     if mode == "off" or STATE.installed:
         return
     STATE.settings, STATE.mode, STATE.timing, STATE.trace_settings = settings, mode, timing, trace
@@ -235,6 +236,7 @@ def _after_load(model: torch.nn.Module) -> None:
         if spec is not None:
             rewritable.append((router._oea_router_id, module, router))
     setup_ep_placements(rewritable)
+    load_layer_k0(STATE.specs)  # OEA_LAYER_K0_FILE: k0 per router (and batch size); fits the model or stops
     STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
     _warm_up_kernels(device)
     if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import oea.integrations.vllm.recording as recording
+from oea.integrations.vllm.layers import layer_config
 from oea.integrations.vllm.metrics import routed_hash
 from oea.integrations.vllm.parallel import gathered_across_dp
 from oea.integrations.vllm.placement import config_for
@@ -66,6 +67,18 @@ def step_rows(rows: int) -> tuple[torch.Tensor | None, int]:
     return _STEP_ROWS["value"]
 
 
+def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor, cfg: Any) -> NumbaRouter | None:
+    """The router's prepared numba kernel for ``cfg`` (None: only ``oea.route`` reproduces it), made once per
+    config (a per-batch-size k0 gives a router one config per k0)."""
+    cached = _CPU_ROUTERS.get(router_id)
+    if cached is None or cached[0] is not cfg or cached[1] is not spec:
+        impl, params = plan(router_logits, spec, cfg)
+        kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
+            impl == "numba" and params is not None) else None
+        cached = _CPU_ROUTERS[router_id] = (cfg, spec, kernel)
+    return cached[2]
+
+
 def keeps_every_top_k(cfg: Any, spec: RouterSpec) -> bool:
     """k0 >= top_k (and no lower cap): OEA keeps every token's own top-k, so vLLM's output is kept as it is
     (its slot order and its weights' precision, e.g. the bf16 softmax of ``_softmax_topk``, included)."""
@@ -73,17 +86,10 @@ def keeps_every_top_k(cfg: Any, spec: RouterSpec) -> bool:
     return k0 >= spec.top_k and (cap is None or cap >= spec.top_k)
 
 
-def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor) -> NumbaRouter | None:
-    """The router's prepared numba kernel (None: only ``oea.route`` reproduces this config), made once."""
-    cached = _CPU_ROUTERS.get(router_id)
-    if cached is None or cached[0] is not STATE.settings or cached[1] is not spec:
-        cfg = config_for(router_id)
-        impl, params = plan(router_logits, spec, cfg)
-        kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
-            impl == "numba" and params is not None) else None
-        cached = _CPU_ROUTERS[router_id] = (STATE.settings, spec, kernel)
-    return cached[2]
-
+def router_config(router_id: int | None, rows: int) -> Any:
+    """The routing config of one call of ``rows`` rows: the router's, with ``OEA_LAYER_K0_FILE``'s k0 for its
+    layer and batch size (``layers.layer_config``)."""
+    return layer_config(router_id, rows, config_for(router_id))
 
 
 def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Tensor | None,
@@ -95,9 +101,9 @@ def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Te
     ``oea.route`` elsewhere; everything else goes through ``route_fast``. The config is the router's
     (``placement.config_for``: ``EPOEAConfig`` under ``OEA_POLICY=ep``, else ``OEA_K0``'s).
     """
-    cfg = config_for(router_id)
+    cfg = router_config(router_id, router_logits.shape[0])
     if router_id is not None and router_logits.device.type == "cpu" and not torch.compiler.is_compiling():
-        kernel = _cpu_router(router_id, spec, router_logits)
+        kernel = _cpu_router(router_id, spec, router_logits, cfg)
         if kernel is not None:
             key = (router_id, router_logits.shape[0])
             buffers = _BUFFERS.get(key)
@@ -127,7 +133,7 @@ def define_gpu_op() -> None:
     def gpu_route(router_logits: torch.Tensor, valid: torch.Tensor | None, router_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         spec = STATE.specs[router_id]
-        cfg = config_for(router_id)
+        cfg = router_config(router_id, router_logits.shape[0])
         ids, weights = route_fast(router_logits, spec, cfg, valid)  # type: ignore[arg-type]
         return weights, ids.to(torch.int32)
 
@@ -171,7 +177,7 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     rows = router_logits.shape[0]
     if STATE.trace_step:
         recording.stage(router_id, router_logits)  # the router's own logits, before any rewrite
-    cfg = config_for(router_id)
+    cfg = router_config(router_id, rows)
     rewrite = STATE.decode and cfg is not None and spec is not None and not keeps_every_top_k(cfg, spec)
     start = time.perf_counter() if STATE.timing else 0.0
     valid = None
@@ -224,10 +230,10 @@ def cpu_wrapper(original: Any) -> Any:
     return _compute_routing
 
 
-def _min_batch_reached(valid: torch.Tensor | None, rows: int) -> bool | torch.Tensor:
+def _min_batch_reached(valid: torch.Tensor | None, rows: int, router_id: int) -> bool | torch.Tensor:
     """Whether the call has at least ``OEA_MIN_BATCH`` real rows: a Python bool without padding rows (the row
     count is a static shape), else a 0-dim bool tensor (no host synchronisation)."""
-    cfg = STATE.settings.oea if STATE.settings is not None else None
+    cfg = router_config(router_id, rows)
     min_batch = cfg.min_batch if cfg is not None else 0
     if valid is None:
         return rows >= min_batch
@@ -258,14 +264,15 @@ def graph_wrapper(original: Any) -> Any:
             return weights, ids
         spec = STATE.specs[router_id]
         tracing = _tracing()
-        if (not tracing and not STATE.decode) or keeps_every_top_k(config_for(router_id), spec):
+        if (not tracing and not STATE.decode) or keeps_every_top_k(
+                router_config(router_id, router_logits.shape[0]), spec):
             return weights, ids
         k = spec.top_k
         valid = _valid_rows(router_logits.shape[0])
-        enough = _min_batch_reached(valid, router_logits.shape[0])
+        enough = _min_batch_reached(valid, router_logits.shape[0], router_id)
         if enough is False:  # a static row count below OEA_MIN_BATCH: nothing to do in this shape
             return weights, ids
-        new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id if router_logits.is_cuda else None)
+        new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id)  # the router's own (layer's) config
         new_w, new_ids = new_w.to(weights.dtype), new_ids.to(ids.dtype)
         select = None if enough is True else enough  # [] bool on the device: real rows counted at run time
         if tracing and STATE.decode_flag is not None:

@@ -32,6 +32,7 @@ class State:
     record: StepRecord | None = None
     metrics: MetricsWriter | None = None
     warned: set[str] = field(default_factory=set)
+    layer_policies: list[Any] | None = None  # OEA_LAYER_K0_FILE (layers.py): per router, OEAConfig / AdaptiveK0Config
     # OEA_TRACE_FILE (recording.py): the recorder, router id -> recorded layer, this step recorded or not
     trace_settings: TraceSettings | None = None
     recorder: TraceRecorder | None = None
