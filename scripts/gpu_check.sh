@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of `oea bench layer` and `oea bench decode` (<= 8 minutes on one H100/H200, no network needed;
-# torch with CUDA, Triton and transformers, no vLLM/SGLang):
+# GPU check of the fast routing kernel, `oea bench layer` and `oea bench decode` (<= 8 minutes on one
+# H100/H200, no network needed; torch with CUDA, Triton and transformers, no vLLM/SGLang):
+#   0. oea.route_fast's Triton kernel == oea.route on ids (10,000 generated cases, CUDA-graph replays), and its
+#      time per layer call in a CUDA graph against stock top-k routing and oea.route (scripts/gpu_check_routing.py);
 #   1. oea.route captured in a CUDA graph == eager (vanilla, OEA, pruned; padding rows via `valid`),
 #      and route + MoE layer captured == eager;
 #   2. the MoE-layer benchmark on CUDA (CUDA-graph replays of routing + layer) for Qwen3-30B-A3B at
