@@ -1,7 +1,7 @@
 """GPU check of ``oea bench layer`` and ``oea bench decode``: CUDA-graph routing + MoE layer, graph-vs-eager
 equality, end-to-end decode steps.
 
-Run by ``scripts/gpu_check.sh`` (<= 8 minutes on one H100/H200, no network). Steps:
+Run by ``scripts/gpu_check.sh`` (<= 10 minutes on one H100/H200, no network). Steps:
 
 0. The fast routing kernel (``scripts/gpu_check_routing.py``): ``oea.route_fast``'s Triton kernel against
    ``oea.route`` (ids bit-equal over 10,000 generated cases and in CUDA-graph replays), and its time per
@@ -256,6 +256,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per benchmark (default 200; 3 dry)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU side)")
     parser.add_argument("--skip-decode", action="store_true", help="skip step 3 (oea bench decode)")
+    parser.add_argument("--fast-cases", type=int, default=None,
+                        help="generated cases of step 0's exactness sweep (default 10000; 50 dry)")
     parser.add_argument("--out", default=None, help="result file (default: $OUT/gpu_check.json when OUT is set)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.dry_run:
@@ -264,6 +266,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.repeats = 3 if args.dry_run else 200
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.fast_cases is not None and args.fast_cases < 1:
+        parser.error(f"--fast-cases must be >= 1, got {args.fast_cases}")
     return args
 
 
@@ -275,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"device": args.device, "dry_run": args.dry_run, "torch": torch.__version__}
     fast = _load_sibling("gpu_check_routing")
-    report["fast_routing"] = fast.check_fast_routing(args.device, args.dry_run, args.repeats, graphed)
+    report["fast_routing"] = fast.check_fast_routing(args.device, args.dry_run, args.repeats, graphed, args.fast_cases)
     print("\n".join(fast.summary_lines(report["fast_routing"])))
     report["graph_routing"] = check_graph_routing(args.device)
     report["graph_layer"] = check_graph_layer(args.device)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the fast routing kernel, `oea bench layer` and `oea bench decode` (<= 8 minutes on one
+# GPU check of the fast routing kernel, `oea bench layer` and `oea bench decode` (<= 10 minutes on one
 # H100/H200, no network needed; torch with CUDA, Triton and transformers, no vLLM/SGLang):
 #   0. oea.route_fast's Triton kernel == oea.route on ids (10,000 generated cases, CUDA-graph replays), and its
 #      time per layer call in a CUDA graph against stock top-k routing and oea.route (scripts/gpu_check_routing.py);
@@ -20,4 +20,4 @@ if [ ! -x "$PY" ]; then
 fi
 "$PY" -c "import torch, numpy, rich, safetensors, transformers" || {
   echo "gpu_check: needs torch (CUDA build), numpy, rich, safetensors, transformers in $PY" >&2; exit 2; }
-exec timeout 480 "$PY" scripts/gpu_check.py "$@"
+exec timeout 590 "$PY" scripts/gpu_check.py "$@"

@@ -131,9 +131,11 @@ def timing(device: str, batch_sizes: tuple[int, ...], repeats: int, graphed: Cal
     return rows
 
 
-def check_fast_routing(device: str, dry_run: bool, repeats: int, graphed: Callable[..., Any]) -> dict[str, Any]:
-    """Step 0: exactness and timing of the fast routing path; ``ok`` is exactness (timing is reported)."""
-    exact = exactness(device, 50 if dry_run else 10000, graphed)
+def check_fast_routing(device: str, dry_run: bool, repeats: int, graphed: Callable[..., Any],
+                       cases: int | None = None) -> dict[str, Any]:
+    """Step 0: exactness (``cases`` generated cases: 10,000, or 50 dry) and timing of the fast routing path;
+    ``ok`` is exactness (timing is reported against its target)."""
+    exact = exactness(device, cases if cases is not None else (50 if dry_run else 10000), graphed)
     rows = timing(device, (1, 16) if dry_run else (1, 16, 64, 256), repeats, graphed)
     worst = max(r["fast_added_us"] for r in rows)
     return {"exactness": exact, "timing": rows, "worst_added_us": worst,
