@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutation ids")
     parser.add_argument("--fast", action="store_true", help="only mutations whose tests exclude slow/engine ones")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check-snippets", action="store_true",
+                        help="only check that every snippet still occurs exactly once (fast; after a refactor)")
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter for pytest")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation run")
     parser.add_argument("--baseline", action="store_true",
@@ -149,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutations:
             print(f"{m.id:40s} {m.file:36s} {' '.join(m.tests)}")
         return 0
+    if args.check_snippets:
+        stale = 0
+        for m in mutations:
+            target = ROOT / "src" / m.file
+            count = target.read_text().count(m.old) if target.is_file() else 0
+            if count != 1:
+                stale += 1
+                print(f"not-applied {m.id:40s} the snippet occurs {count} times in {m.file}")
+        print(f"{len(mutations) - stale}/{len(mutations)} snippets apply")
+        return 0 if stale == 0 else 1
     broken = baseline_failures(mutations, args.python, args.timeout) if args.baseline else set()
     survivors = 0
     table = ["| mutation | file | the bug | result | first failing test |", "|---|---|---|---|---|"]

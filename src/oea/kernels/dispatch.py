@@ -29,7 +29,7 @@ import torch
 
 from oea.kernels.numba_cpu import NumbaRouter, numba_available
 from oea.kernels.params import KernelParams, kernel_params
-from oea.kernels.triton_gpu import triton_available, triton_route
+from oea.kernels.triton_gpu import interpreter_ready, triton_available, triton_route
 from oea.routing import AdaptiveK0Config, RouterSpec, route
 from oea.routing.policies import check_route_args
 
@@ -73,7 +73,7 @@ def _kernel_for_device(device: torch.device) -> tuple[str | None, str]:
     if device.type == "cpu":
         if numba_available():
             return "numba", ""
-        if _interpreting() and triton_available():
+        if _interpreting() and triton_available() and interpreter_ready():
             return "triton", ""
         return None, "numba is not installed (pip install numba)"
     if device.type == "cuda":
@@ -89,8 +89,13 @@ def _requested(impl: str, device: torch.device) -> str | None:
         return None if numba_available() else "numba is not installed (pip install numba)"
     if not triton_available():
         return "Triton is not installed (pip install triton)"
-    if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+    if device.type == "cuda":
         return None
+    if device.type == "cpu" and _interpreting():
+        if interpreter_ready():
+            return None
+        return ("TRITON_INTERPRET=1 was set after Triton was imported in this process; Triton reads it at "
+                "import, so set it before the first import (for example in the environment)")
     if device.type == "cpu":
         return "the Triton kernel runs on CUDA tensors, got device 'cpu' (TRITON_INTERPRET=1 runs it on CPU)"
     return f"the Triton kernel runs on CUDA tensors, got device {device.type!r}"

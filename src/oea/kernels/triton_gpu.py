@@ -34,6 +34,18 @@ def triton_available() -> bool:
     return bool(_TRITON["available"])
 
 
+def interpreter_ready() -> bool:
+    """Whether Triton's own language functions were built for its CPU interpreter.
+
+    Triton reads ``TRITON_INTERPRET`` when it is first imported; set later, the kernels fail inside the
+    interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel").
+    """
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.max, InterpretedFunction)
+
+
 def _compile() -> Any:
     """The Triton kernels (``oea.kernels.triton_source``, imported now). ``TRITON_INTERPRET`` is read when
     that module is first imported: set it before the first call."""
