@@ -161,13 +161,16 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--moe-intermediate-size", type=int, metavar="N", help="inflate to this expert intermediate size")
     p.add_argument("--policies", nargs="+", default=["oea"], help="policies besides vanilla: oea, pruned")
     p.add_argument("--k0", type=int, nargs="+", default=[3, 5], help="baseline experts per token")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64], metavar="B")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64], metavar="B",
+                   help="sequences decoded together; one measurement per value")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (held-out text windows)")
     p.add_argument("--new-tokens", type=int, default=16, help="timed decode steps per run")
     p.add_argument("--rounds", type=int, default=3, help="runs per policy and batch size (new prompts each)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run (auto: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="model weights and activations")
     p.add_argument("--graph", default="auto", choices=["auto", "none", "capture", "compile"],
                    help="decode step as a captured CUDA graph (capture), torch.compile reduce-overhead (compile) or "
                    "eager (none); auto: capture on CUDA, none on CPU")
@@ -175,7 +178,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--nice", type=int, metavar="N",
                    help="scheduling priority of this process and its session (-20..19; below 0 needs root): keeps "
                    "other jobs on a shared machine from timing the scheduler")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="fixes the prompt windows, the inflated experts' padding weights and the bootstrap")
     p.add_argument("--plot", metavar="PATH", help="PNG of step latency and ratio to vanilla vs batch size")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=_decode)

@@ -44,16 +44,21 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="restart mode: an arm served by 'oea serve vllm' with ENV (space-separated VAR=VALUE, "
                         "e.g. 'OEA_K0=3'; empty for stock) and the vLLM arguments after '--'")
     p.add_argument("--model", help="model name sent in requests (default: the server's first /v1/models entry)")
-    p.add_argument("--dataset", choices=("random", "text"), default="random")
+    p.add_argument("--dataset", choices=("random", "text"), default="random",
+                   help="prompts: random token ids (exact lengths) or windows of held-out text")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per (arm, concurrency, round)")
-    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-input-len", type=int, default=128, help="random dataset: prompt length in tokens")
     p.add_argument("--random-output-len", type=int, default=128, help="max_tokens (with ignore_eos)")
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="random dataset: input and output lengths drawn from [ratio x len, len] (1.0: exact), "
+                        "as in SGLang")
     p.add_argument("--text-input-chars", type=int, default=512, help="text dataset: prompt length in characters")
-    p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], metavar="C")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], metavar="C",
+                   help="requests in flight at once; one sweep point per value")
     p.add_argument("--rounds", type=int, default=1, help="measured rounds per arm and concurrency")
-    p.add_argument("--warmup-requests", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=2, help="unrecorded requests per arm before measuring")
+    p.add_argument("--seed", type=int, default=0,
+                   help="fixes the prompts (each concurrency and round gets its own, the same for every arm)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-file", help="append one JSON line per measured round (sglang field names)")
     p.add_argument("--plot", help="PNG of TPOT and output tok/s vs concurrency, one line per arm")
@@ -76,7 +81,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                         "included (-20..19; e.g. -10 so that other jobs on a shared machine do not time the "
                         "server; below 0 needs root)")
     p.add_argument("--python", help="restart mode: interpreter with vLLM installed (default: this one)")
-    p.add_argument("--health-timeout", type=float, default=900.0)
+    p.add_argument("--health-timeout", type=float, default=900.0,
+                   help="restart mode: longest wait for each server's /health (seconds)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the rows and summary as JSON")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="restart mode: '--' then vLLM server arguments")
@@ -96,7 +102,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     v.add_argument("--metrics-file", help="OEA_METRICS_FILE: JSONL of active experts per decode step")
     v.add_argument("--timing", action="store_true", help="OEA_TIMING=1: time the routing op in the worker")
     v.add_argument("--python", help="interpreter with vLLM installed (default: this one)")
-    v.add_argument("--health-timeout", type=float, default=900.0)
+    v.add_argument("--health-timeout", type=float, default=900.0,
+                   help="longest wait for the server's /health before giving up (seconds)")
     v.add_argument("--json", action="store_true",
                    help="announce readiness as one JSON line on stdout (url, pid, OEA settings) for scripts")
     v.add_argument("vllm_args", nargs=argparse.REMAINDER, help="'--' then vLLM server arguments")
