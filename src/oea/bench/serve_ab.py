@@ -246,11 +246,31 @@ def _print_table(summary: list[dict[str, Any]]) -> None:
               f" {s['mean_tpot_ms_median']:>10.2f} ({s['mean_tpot_ms_min']:.2f}..{s['mean_tpot_ms_max']:.2f})")
 
 
+def summarized_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--summarize FILE``: the rows of an earlier ``--output-file``, to summarise without running anything."""
+    if (args.serve_arm or args.base_url or args.base_url_a or args.arm or args.output_file
+            or args.vllm_args not in ([], ["--"])):
+        raise ValueError("--summarize reads an earlier run: it cannot be combined with servers, arms or --output-file")
+    path = Path(args.summarize)
+    if not path.is_file():
+        raise ValueError(f"--summarize: no such file: {path}")
+    try:
+        rows = load_rows(path)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--summarize: {path} is not JSON lines written by oea bench serve ({err})") from None
+    needed = ("arm", "max_concurrency", "round", "output_throughput", "mean_tpot_ms", "mean_ttft_ms")
+    if not rows or any(not set(needed) <= set(row) for row in rows):
+        raise ValueError(f"--summarize: {path} has no oea bench serve rows (each needs {', '.join(needed)})")
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     """Handler of ``oea bench serve``; returns the exit code."""
     cfg = bench_config(args)
     output_file = Path(args.output_file) if args.output_file else None
-    if args.serve_arm:
+    if args.summarize:
+        rows = summarized_rows(args)
+    elif args.serve_arm:
         if args.base_url or args.base_url_a or args.arm:
             raise ValueError("--serve-arm (restart mode) cannot be combined with --base-url/--arm")
         serve_arms = parse_serve_arms(args.serve_arm)
@@ -284,6 +304,8 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         size = (f"in={cfg.text_input_chars} chars" if cfg.dataset == "text" else f"in={cfg.random_input_len}")
         title = f"{cfg.dataset} {size} out={cfg.random_output_len} tokens"
+        if args.summarize:
+            title = Path(args.summarize).name
         if several:
             plot_ab(ab, args.plot, title=title)
         else:

@@ -62,6 +62,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-file", help="append one JSON line per measured round (sglang field names)")
     p.add_argument("--plot", help="PNG of TPOT and output tok/s vs concurrency, one line per arm")
+    p.add_argument("--summarize", metavar="FILE",
+                   help="run nothing: the table (or --json, --plot) of an earlier run's --output-file")
     p.add_argument("--engine-metrics-dir",
                    help="restart mode: directory for each server's OEA_METRICS_FILE and log (default: "
                         "next to --output-file)")
