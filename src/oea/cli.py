@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "oea.bench.layer_cli",
     "oea.tuning.cli",
     "oea.bench.serve_cli",
+    "oea.launch.vllm_cli",
     "oea.models.cli",
     "oea.bench.decode_cli",
 )

@@ -31,15 +31,9 @@ ADAPTER_MAY_IMPORT = ("oea.routing", "oea.kernels", "oea.config", "oea.stats", "
 KERNEL_LAZY_IMPORTS = frozenset({"numba", "numpy", "triton"})
 
 # Files over MAX_LINES, each until the named work splits it.
-SIZE_ALLOWANCES: dict[str, str] = {
-    "bench/serve.py": "issue 11: its helper is extending the serving benchmark; split when that lands",
-}
+SIZE_ALLOWANCES: dict[str, str] = {}
 # (importer, imported CLI module): imports of a CLI module by something other than the top CLI.
-CLI_IMPORT_ALLOWANCES: dict[tuple[str, str], str] = {
-    ("oea.bench.serve_cli", "oea.launch.vllm_cli"): "issue 11 (serving work in progress): `oea bench serve` runs "
-                                                     "`oea serve vllm`'s handler; move the shared launch code out",
-    ("oea.bench.serve_ab", "oea.launch.vllm_cli"): "issue 11: strip_separator belongs in oea.launch.vllm",
-}
+CLI_IMPORT_ALLOWANCES: dict[tuple[str, str], str] = {}
 # (routing module, file-I/O module it imports).
 ROUTING_IO_ALLOWANCES: dict[tuple[str, str], str] = {}
 

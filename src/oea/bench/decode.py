@@ -149,7 +149,7 @@ def load_bench_model(cfg: DecodeBenchConfig, device: str) -> tuple[Any, Any, dic
 
 def token_streams(tokenizer: Any, model_dir: str | None, min_tokens: int) -> list[list[int]]:
     """Token ids of every held-out document with at least ``min_tokens`` tokens."""
-    from oea.bench.serve import heldout_texts
+    from oea.bench.serve_prompts import heldout_texts
     from oea.models import heldout_documents
 
     try:

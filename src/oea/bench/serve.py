@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,17 +30,13 @@ from typing import Any
 
 import numpy as np
 
-DATASETS: tuple[str, ...] = ("random", "text")
-# Token ids used by the random dataset: above typical special tokens, below any real vocabulary size.
-RANDOM_TOKEN_RANGE: tuple[int, int] = (16, 4000)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One request: ``prompt`` is text or a list of token ids; ``output_len`` is ``max_tokens``."""
-
-    prompt: str | list[int]
-    output_len: int
+from oea.bench.serve_prompts import DATASETS as DATASETS  # re-exported: the module's former contents
+from oea.bench.serve_prompts import Prompt, make_prompts
+from oea.bench.serve_prompts import heldout_texts as heldout_texts
+from oea.bench.serve_prompts import random_prompts as random_prompts
+from oea.bench.serve_prompts import text_prompts as text_prompts
+from oea.bench.serve_summary import plot as plot
+from oea.bench.serve_summary import summarize as summarize
 
 
 @dataclass
@@ -61,74 +55,6 @@ class RequestResult:
 
 class ServerUnreachable(RuntimeError):
     """The benchmark could not reach a server; the message names the URL."""
-
-
-# ---------------------------------------------------------------- datasets
-
-
-def random_prompts(num: int, input_len: int, output_len: int, seed: int, range_ratio: float = 1.0,
-                   token_range: tuple[int, int] = RANDOM_TOKEN_RANGE) -> list[Prompt]:
-    """``num`` prompts of random token ids (sent as token-id prompts, so lengths are exact).
-
-    Lengths are drawn uniformly from [len * range_ratio, len] as in ``sglang.bench_serving``.
-    """
-    if input_len < 1 or output_len < 1:
-        raise ValueError(f"--random-input-len and --random-output-len must be >= 1, got {input_len}, {output_len}")
-    if not 0.0 < range_ratio <= 1.0:
-        raise ValueError(f"--random-range-ratio must be in (0, 1], got {range_ratio}")
-    rng = random.Random(seed)
-    low, high = token_range
-    prompts = []
-    for _ in range(num):
-        n_in = rng.randint(max(1, int(input_len * range_ratio)), input_len)
-        n_out = rng.randint(max(1, int(output_len * range_ratio)), output_len)
-        prompts.append(Prompt([rng.randrange(low, high) for _ in range(n_in)], n_out))
-    return prompts
-
-
-def heldout_texts() -> list[str]:
-    """Held-out documents: the embedded model's (``oea.models.heldout_documents()``) when its file list
-    exists, else the held-out split of the Python standard library files (``oea.models.data``)."""
-    from oea.models.data import read_text, split_files, stdlib_files
-
-    try:
-        from oea.models import heldout_documents
-
-        docs = [text for _name, text in heldout_documents()]
-        if docs:
-            return docs
-    except (ImportError, FileNotFoundError):
-        pass  # no embedded model yet (or another Python's stdlib): the hash split below is the fallback
-    _, heldout = split_files(stdlib_files())
-    return [read_text(f.path) for f in heldout]
-
-
-def text_prompts(num: int, input_chars: int, output_len: int, seed: int,
-                 documents: Sequence[str] | None = None) -> list[Prompt]:
-    """``num`` prompts cut from held-out text: windows of ``input_chars`` characters starting at a line."""
-    if input_chars < 1 or output_len < 1:
-        raise ValueError(f"--text-input-chars and --random-output-len must be >= 1, got {input_chars}, {output_len}")
-    docs = [d for d in (heldout_texts() if documents is None else documents) if len(d) > input_chars]
-    if not docs:
-        raise ValueError(f"no held-out document is longer than --text-input-chars={input_chars}")
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num):
-        doc = rng.choice(docs)
-        start = rng.randrange(0, len(doc) - input_chars)
-        line_start = doc.rfind("\n", 0, start) + 1
-        prompts.append(Prompt(doc[line_start:line_start + input_chars], output_len))
-    return prompts
-
-
-def make_prompts(dataset: str, num: int, seed: int, input_len: int, output_len: int,
-                 range_ratio: float = 1.0, input_chars: int = 512) -> list[Prompt]:
-    """Prompts for ``dataset`` (one of ``DATASETS``)."""
-    if dataset == "random":
-        return random_prompts(num, input_len, output_len, seed, range_ratio)
-    if dataset == "text":
-        return text_prompts(num, input_chars, output_len, seed)
-    raise ValueError(f"--dataset must be one of {DATASETS}, got {dataset!r}")
 
 
 # ---------------------------------------------------------------- client
@@ -475,66 +401,6 @@ class _Progress:
     def describe(self, text: str) -> None:
         if self._progress is not None:
             self._progress.update(self._task, description=text)
-
-
-# ---------------------------------------------------------------- summaries and plots
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (arm, max_concurrency): median and min..max over rounds of output tok/s and mean TPOT."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["arm"], int(row["max_concurrency"])), []).append(row)
-    out = []
-    for (arm, conc), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        tput = [float(g["output_throughput"]) for g in group]
-        tpot = [float(g["mean_tpot_ms"]) for g in group if not math.isnan(float(g["mean_tpot_ms"]))]
-        out.append({
-            "arm": arm,
-            "max_concurrency": conc,
-            "rounds": len(group),
-            "output_throughput_median": statistics.median(tput),
-            "output_throughput_min": min(tput),
-            "output_throughput_max": max(tput),
-            "mean_tpot_ms_median": statistics.median(tpot) if tpot else math.nan,
-            "mean_tpot_ms_min": min(tpot) if tpot else math.nan,
-            "mean_tpot_ms_max": max(tpot) if tpot else math.nan,
-            "mean_ttft_ms_median": statistics.median(float(g["mean_ttft_ms"]) for g in group),
-        })
-    return out
-
-
-def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """PNG with two panels: mean TPOT (ms) and output tok/s vs max concurrency, one line per arm
-    (median over rounds, bars from min to max)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = summarize(rows)
-    fig, (ax_tpot, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm in dict.fromkeys(s["arm"] for s in summary):
-        pts = [s for s in summary if s["arm"] == arm]
-        conc = [s["max_concurrency"] for s in pts]
-        for ax, key in ((ax_tpot, "mean_tpot_ms"), (ax_tput, "output_throughput")):
-            med = np.array([s[f"{key}_median"] for s in pts])
-            err = np.array([[m - s[f"{key}_min"] for m, s in zip(med, pts, strict=True)],
-                            [s[f"{key}_max"] - m for m, s in zip(med, pts, strict=True)]])
-            ax.errorbar(conc, med, yerr=err, marker="o", capsize=3, label=arm)
-    for ax, label in ((ax_tpot, "mean TPOT (ms)"), (ax_tput, "output throughput (tok/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:

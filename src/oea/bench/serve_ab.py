@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oea.bench.serve import Arm, BenchConfig, append_jsonl, load_rows, plot, run_benchmark, summarize
+from oea.bench.serve import Arm, BenchConfig, append_jsonl, load_rows, run_benchmark
+from oea.bench.serve_summary import plot, summarize
 
 
 def parse_arms(args: argparse.Namespace) -> list[Arm]:
@@ -186,7 +187,7 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
         from oea.launch.priority import set_priority
 
         set_priority(server_nice, "--server-nice")
-    from oea.launch.vllm_cli import strip_separator
+    from oea.launch.vllm import strip_separator
 
     vllm_args = strip_separator(vllm_args)
     if not vllm_args:

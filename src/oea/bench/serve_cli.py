@@ -1,5 +1,5 @@
-"""``oea bench serve`` and ``oea serve vllm`` (parsers only; the work happens in ``oea.bench.serve``,
-``oea.bench.serve_ab`` and ``oea.launch.vllm``)."""
+"""``oea bench serve`` (the parser only; the work happens in ``oea.bench.serve`` and ``oea.bench.serve_ab``;
+``oea serve vllm`` is registered by ``oea.launch.vllm_cli``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,6 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from oea.bench.serve_ab import main
 
     return main(args)
-
-
-def _serve_vllm(args: argparse.Namespace) -> int:
-    from oea.launch.vllm_cli import main
-
-    return main(args)
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -89,24 +78,3 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--json", action="store_true", help="print the rows and summary as JSON")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="restart mode: '--' then vLLM server arguments")
     p.set_defaults(handler=_bench_serve)
-
-    s = commands.add_parser("serve", help="start an inference server with OEA enabled")
-    engines = s.add_subparsers(dest="serve_engine", metavar="ENGINE")
-    s.set_defaults(handler=lambda _args: _usage(s))
-    v = engines.add_parser(
-        "vllm",
-        help="python -m vllm.entrypoints.openai.api_server with OEA_K0/OEA_MIN_BATCH set",
-        description="Sets OEA_K0 / OEA_MIN_BATCH, starts vLLM's OpenAI server (bound to 127.0.0.1 unless "
-                    "--host is given after '--'), waits for /health and forwards SIGINT/SIGTERM.",
-    )
-    v.add_argument("--k0", type=int, help="baseline experts per token (1..top_k); omit for stock routing")
-    v.add_argument("--min-batch", type=int, help="vanilla routing below this many rows (OEA_MIN_BATCH)")
-    v.add_argument("--metrics-file", help="OEA_METRICS_FILE: JSONL of active experts per decode step")
-    v.add_argument("--timing", action="store_true", help="OEA_TIMING=1: time the routing op in the worker")
-    v.add_argument("--python", help="interpreter with vLLM installed (default: this one)")
-    v.add_argument("--health-timeout", type=float, default=900.0,
-                   help="longest wait for the server's /health before giving up (seconds)")
-    v.add_argument("--json", action="store_true",
-                   help="announce readiness as one JSON line on stdout (url, pid, OEA settings) for scripts")
-    v.add_argument("vllm_args", nargs=argparse.REMAINDER, help="'--' then vLLM server arguments")
-    v.set_defaults(handler=_serve_vllm)

@@ -152,3 +152,60 @@ def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = ""
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (arm, max_concurrency): median and min..max over rounds of output tok/s and mean TPOT."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["arm"], int(row["max_concurrency"])), []).append(row)
+    out = []
+    for (arm, conc), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        tput = [float(g["output_throughput"]) for g in group]
+        tpot = [float(g["mean_tpot_ms"]) for g in group if not math.isnan(float(g["mean_tpot_ms"]))]
+        out.append({
+            "arm": arm,
+            "max_concurrency": conc,
+            "rounds": len(group),
+            "output_throughput_median": statistics.median(tput),
+            "output_throughput_min": min(tput),
+            "output_throughput_max": max(tput),
+            "mean_tpot_ms_median": statistics.median(tpot) if tpot else math.nan,
+            "mean_tpot_ms_min": min(tpot) if tpot else math.nan,
+            "mean_tpot_ms_max": max(tpot) if tpot else math.nan,
+            "mean_ttft_ms_median": statistics.median(float(g["mean_ttft_ms"]) for g in group),
+        })
+    return out
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """PNG with two panels: mean TPOT (ms) and output tok/s vs max concurrency, one line per arm
+    (median over rounds, bars from min to max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(rows)
+    fig, (ax_tpot, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for arm in dict.fromkeys(s["arm"] for s in summary):
+        pts = [s for s in summary if s["arm"] == arm]
+        conc = [s["max_concurrency"] for s in pts]
+        for ax, key in ((ax_tpot, "mean_tpot_ms"), (ax_tput, "output_throughput")):
+            med = np.array([s[f"{key}_median"] for s in pts])
+            err = np.array([[m - s[f"{key}_min"] for m, s in zip(med, pts, strict=True)],
+                            [s[f"{key}_max"] - m for m, s in zip(med, pts, strict=True)]])
+            ax.errorbar(conc, med, yerr=err, marker="o", capsize=3, label=arm)
+    for ax, label in ((ax_tpot, "mean TPOT (ms)"), (ax_tput, "output throughput (tok/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -37,6 +37,12 @@ CPU_KV_CACHE_DEFAULT_GIB = 1
 MEMORY_FLAGS: tuple[str, ...] = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 
 
+def strip_separator(args: Sequence[str]) -> list[str]:
+    """The arguments after a leading ``--`` (argparse.REMAINDER keeps it)."""
+    args = list(args)
+    return args[1:] if args[:1] == ["--"] else args
+
+
 def memory_defaults(env: Mapping[str, str], vllm_args: Sequence[str]) -> dict[str, str]:
     """``{VLLM_CPU_KVCACHE_SPACE: "1"}`` unless the environment or the arguments size memory themselves
     (the variable set, or ``--kv-cache-memory-bytes`` / ``--gpu-memory-utilization`` given); else ``{}``.

@@ -1,4 +1,5 @@
-"""``oea serve vllm``: start vLLM's OpenAI server with OEA settings, wait for /health, forward signals."""
+"""``oea serve vllm`` (parser and handler): start vLLM's OpenAI server with OEA settings, wait for /health,
+forward signals."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import signal
 import sys
 import time
 
-from oea.launch.vllm import memory_defaults, oea_env, signal_server, start_server, stop_server, wait_healthy
-
-
-def strip_separator(args: list[str]) -> list[str]:
-    """The arguments after a leading ``--`` (argparse.REMAINDER keeps it)."""
-    return args[1:] if args[:1] == ["--"] else args
-
 
 def main(args: argparse.Namespace) -> int:
     """Run the server until it exits or this process gets SIGINT/SIGTERM; returns its exit code."""
+    from oea.launch.vllm import (
+        memory_defaults,
+        oea_env,
+        signal_server,
+        start_server,
+        stop_server,
+        strip_separator,
+        wait_healthy,
+    )
+
     vllm_args = strip_separator(list(args.vllm_args))
     if not vllm_args:
         raise ValueError("give the vLLM server arguments after '--', e.g. oea serve vllm --k0 3 -- --model DIR")
@@ -67,3 +71,32 @@ def main(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         if server.process.poll() is None:
             stop_server(server)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def register(commands: argparse._SubParsersAction, _bench: argparse._SubParsersAction) -> None:
+    """``oea serve`` and ``oea serve vllm``."""
+    s = commands.add_parser("serve", help="start an inference server with OEA enabled")
+    engines = s.add_subparsers(dest="serve_engine", metavar="ENGINE")
+    s.set_defaults(handler=lambda _args: _usage(s))
+    v = engines.add_parser(
+        "vllm",
+        help="python -m vllm.entrypoints.openai.api_server with OEA_K0/OEA_MIN_BATCH set",
+        description="Sets OEA_K0 / OEA_MIN_BATCH, starts vLLM's OpenAI server (bound to 127.0.0.1 unless "
+                    "--host is given after '--'), waits for /health and forwards SIGINT/SIGTERM.",
+    )
+    v.add_argument("--k0", type=int, help="baseline experts per token (1..top_k); omit for stock routing")
+    v.add_argument("--min-batch", type=int, help="vanilla routing below this many rows (OEA_MIN_BATCH)")
+    v.add_argument("--metrics-file", help="OEA_METRICS_FILE: JSONL of active experts per decode step")
+    v.add_argument("--timing", action="store_true", help="OEA_TIMING=1: time the routing op in the worker")
+    v.add_argument("--python", help="interpreter with vLLM installed (default: this one)")
+    v.add_argument("--health-timeout", type=float, default=900.0,
+                   help="longest wait for the server's /health before giving up (seconds)")
+    v.add_argument("--json", action="store_true",
+                   help="announce readiness as one JSON line on stdout (url, pid, OEA settings) for scripts")
+    v.add_argument("vllm_args", nargs=argparse.REMAINDER, help="'--' then vLLM server arguments")
+    v.set_defaults(handler=main)
