@@ -138,6 +138,23 @@ def run() -> dict[str, Any]:
     check("tp8_without_ep_plain_oea", *_same_routing(routed, oea.route(logits, spec, oea.OEAConfig(3))))
     check("tp8_without_ep_warned", any("without expert parallelism" in w for w in warnings), str(warnings[-2:]))
 
+    # DP attention with an all-to-all MoE backend: each DP rank routes its own rows, so EP-aware OEA per rank
+    # would fill the same idle EP ranks; plain OEA with one warning.
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu", tp_size=8, ep_size=8, dp_size=2, enable_dp_attention=True,
+                       moe_a2a_backend="deepep", ep_dispatch_algorithm="static"), role="test",
+            ranks=SpawnRanks(world_rank=0, dp_rank=0))
+    sg.location.set_global_expert_location_metadata(_metadata(sg, trivial.repeat(3, 1), E, EP), allow_overwrite=True)
+    with _in_mode(sg, "DECODE"):
+        routed = _select(sg, config, logits, 0)
+    check("dp_attention_a2a_plain_oea", *_same_routing(routed, oea.route(logits, spec, oea.OEAConfig(3))))
+    named = [w for w in warnings if "DP-attention ranks route their own rows (moe_a2a_backend=deepep)" in w]
+    check("dp_attention_a2a_warned", len(named) == 1, named[0] if named else str(warnings[-2:]))
+    _publish(EP)
+
     # The bundled Qwen3-30B-A3B trace at EP = 8 (128 experts, 16 per rank): per-batch busiest device.
     from oea.sim.simulate import make_batches, router_inputs
     from oea.traces import load_trace

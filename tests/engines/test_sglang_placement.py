@@ -53,6 +53,11 @@ def test_tp8_without_expert_parallelism_warns_and_keeps_plain_oea(report: dict[s
     assert _check(report, "tp8_without_ep_warned")["ok"]
 
 
+def test_dp_attention_ranks_routing_their_own_rows_keep_plain_oea(report: dict[str, Any]) -> None:
+    assert _check(report, "dp_attention_a2a_plain_oea")["ok"]
+    assert _check(report, "dp_attention_a2a_warned")["ok"], _check(report, "dp_attention_a2a_warned")
+
+
 def test_busiest_device_at_ep8_equals_the_simulator(report: dict[str, Any]) -> None:
     """The same 24 batches of 16 tokens of the bundled Qwen3 trace (layer 0) through SGLang's routing and
     through ``oea simulate``: the busiest of 8 EP devices agrees within 5%."""

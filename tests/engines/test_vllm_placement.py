@@ -42,8 +42,8 @@ class Collect(logging.Handler):
         warnings.append(record.getMessage())
 logging.getLogger("vllm.oea").addHandler(Collect(level=logging.WARNING))
 
-def manager(num_slots, ep, strategy="linear", groups=None, rank=0):
-    cfg = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=1, ep_size=ep, tp_rank=0, pcp_rank=0, dp_rank=0,
+def manager(num_slots, ep, strategy="linear", groups=None, rank=0, dp=1):
+    cfg = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=dp, ep_size=ep, tp_rank=0, pcp_rank=0, dp_rank=0,
                                  ep_rank=rank, sp_size=1, use_ep=ep > 1, all2all_backend="naive", enable_eplb=False)
     return ExpertMapManager(max_num_batched_tokens=64, top_k=8, global_num_experts=num_slots, num_redundant_experts=0,
                             num_expert_group=groups, moe_parallel_config=cfg, placement_strategy=strategy,
@@ -71,6 +71,7 @@ out["eplb"] = {"device": p.device_of_expert.tolist(), "detail": detail}
 holes = [e if e not in (5, 9) else 0 for e in range(128)]  # experts 5 and 9 held by no slot
 out["missing"] = placement.read_layer_placement(Layer(manager(128, 8)), eplb_router(holes, 128))[1]
 out["no_ep"] = placement.read_layer_placement(Layer(manager(128, 1)), plain)[1]
+out["dp_ep"] = placement.read_layer_placement(Layer(manager(128, 8, dp=2)), plain)[1]
 
 # The plugin as register() + Worker.load_model set it up, OEA_K0=3 OEA_POLICY=ep, three layers:
 # EP 8 (read), a map missing experts (plain OEA, warned), no EP (plain OEA, warned).
@@ -176,6 +177,7 @@ def test_eplb_replicas_count_on_their_first_replicas_device(result: dict) -> Non
 def test_bad_placements_keep_plain_oea_and_say_why(result: dict) -> None:
     assert result["missing"] == "placement does not cover every expert: missing experts [5, 9]"
     assert result["no_ep"] == "vLLM runs this layer without expert parallelism (EP size 1)"
+    assert result["dp_ep"].startswith("2 data-parallel ranks route separately: each would fill the same idle EP")
     assert result["configs"] == ["EPOEAConfig", "OEAConfig", "OEAConfig"]
     named = [w for w in result["warnings"] if "missing experts [5, 9]" in w]
     assert named and "model.layers.1.mlp.experts keeps plain OEA" in named[0]

@@ -41,6 +41,9 @@ def read_layer_placement(layer_id: Any) -> tuple[ExpertPlacement | None, str]:
         return None, "SGLang has no expert location metadata (no expert parallelism for this model)"
     if int(meta.ep_size) <= 1:
         return None, "SGLang runs without expert parallelism (ep_size 1)"
+    local = _local_dp_routing()
+    if local:
+        return None, local
     if not isinstance(layer_id, int) or not 0 <= layer_id < meta.num_layers:
         return None, f"layer_id {layer_id!r} is not in SGLang's expert location metadata ({meta.num_layers} layers)"
     slots = meta.physical_to_logical_map_cpu[layer_id].tolist()
@@ -58,6 +61,23 @@ def read_layer_placement(layer_id: Any) -> tuple[ExpertPlacement | None, str]:
     replicated = len(slots) - len(set(slots))
     how = "static dispatch of this rank" if dispatch is not None else "first replica (no static dispatch)"
     return placement, f"{describe_placement(placement, replicated)}; SGLang EP layout, replicas: {how}"
+
+
+def _local_dp_routing() -> str | None:
+    """Why EP-aware OEA cannot run when DP-attention ranks route their own rows (an all-to-all MoE backend);
+    None when the routing call sees every rank's rows (no DP attention, or tokens gathered before the MoE)."""
+    try:
+        from sglang.srt.runtime_context import get_exec, get_parallel
+
+        dp, a2a = int(getattr(get_parallel(), "attn_dp_size", 1) or 1), get_exec().moe.moe_a2a_backend
+    except Exception as exc:  # an SGLang without these settings (older than runtime_context), or none published
+        warn_once("ep-dp-unread", f"OEA_POLICY=ep: cannot read SGLang's DP-attention settings ({exc!r}); EP-aware "
+                                  "OEA assumes each routing call sees the whole step's rows")
+        return None
+    if dp > 1 and a2a not in (None, "none"):
+        return (f"{dp} DP-attention ranks route their own rows (moe_a2a_backend={a2a}): each would fill the same "
+                "idle EP ranks, so the busiest one could grow (see oea simulate --dp --ep)")
+    return None
 
 
 CONFIGS = EPLayerConfigs(read_layer_placement)

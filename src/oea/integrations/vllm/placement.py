@@ -11,7 +11,9 @@ placement is read from its layer (``read_layer_placement``):
 * ``oea.integrations.placement.placement_from_slots`` validates it: a layer whose placement misses experts
   (named in the warning) or cannot be read keeps plain OEA, one warning per reason.
 
-Without expert parallelism (EP size 1) every layer keeps plain OEA with one warning. When EPLB rebalances
+Without expert parallelism (EP size 1), and with several data-parallel ranks (each routes its own rows, so
+the ranks would all fill the same idle EP ranks and the busiest one could grow), every layer keeps plain OEA
+with one warning. When EPLB rebalances
 (``EplbState.rearrange`` / ``update_mapping``, wrapped by ``install_rebalance_hook``) the placements are
 reread right after it, between steps, and updated in place. ``routing.py`` asks ``config_for(router_id)``.
 """
@@ -39,6 +41,10 @@ def read_layer_placement(layer: Any, router: Any) -> tuple[ExpertPlacement | Non
     ep_size = int(getattr(manager, "ep_size", 1) or 1)
     if not getattr(manager, "use_ep", False) or ep_size <= 1:
         return None, "vLLM runs this layer without expert parallelism (EP size 1)"
+    dp_size = int(getattr(getattr(manager, "moe_parallel_config", None), "dp_size", 1) or 1)
+    if dp_size > 1:
+        return None, (f"{dp_size} data-parallel ranks route separately: each would fill the same idle EP ranks, "
+                      "so the busiest one could grow (see oea simulate --dp --ep)")
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     num_slots = int(manager.global_num_experts)

@@ -88,6 +88,7 @@ def _trace_settings() -> TraceSettings | None:
 
 
 def _process_title() -> str:
+    """This process's title (vLLM names its API server, engine core and workers), for the log."""
     try:
         import setproctitle
 
