@@ -93,3 +93,35 @@ def test_cli_dp_rows_and_the_union_note(capsys: pytest.CaptureFixture[str]) -> N
     assert main([*args, "--dp", "2"]) == 0
     out = capsys.readouterr().out
     assert "T per rank (dp=2)" in out and "global vs local union, oea k0=2 B=4/rank x dp=2: kept_mass" in out
+
+
+def _glm5_like_trace(tokens: int = 256, layers: int = 2) -> Trace:
+    """GLM-5's router shape: 256 experts, top-8, sigmoid scores with a correction bias, one group, scale 2.5."""
+    g = torch.Generator().manual_seed(5)
+    spec = RouterSpec(256, 8, "sigmoid", True, None, 1, 1, 2.5)
+    return Trace(spec=spec, logits=torch.randn(tokens, layers, 256, generator=g),
+                 correction_bias=torch.rand(layers, 256, generator=g) * 0.5, meta={"name": "glm5-like"})
+
+
+def test_glm5_deployment_shapes_tp8_and_ep8() -> None:
+    """The reference deployment's router at TP = 8 (every GPU a 1/8 shard of each expert: T sets the time) and
+    at EP = 8 with DP attention (the busiest GPU does), with the glm-5 preset's latency on RTX PRO 6000s."""
+    trace = _glm5_like_trace()
+    tp8 = simulate(trace, policies=["vanilla", "oea"], k0s=[3], batch_sizes=[16], num_batches=4,
+                   model_preset="glm-5", gpu="rtx-pro-6000", tp=8)
+    assert all(r["latency_model"] == "glm-5 on rtx-pro-6000 tp=8 ep=1" for r in tp8)
+    assert tp8[1]["mean_active_experts"] < tp8[0]["mean_active_experts"]
+    assert tp8[1]["latency_ratio_vs_vanilla"] < 1
+    ep8 = simulate(trace, policies=["vanilla", "oea", "ep-oea"], k0s=[3], batch_sizes=[8], num_batches=4,
+                   model_preset="glm-5", gpu="rtx-pro-6000", ep=8, dp=2)
+    by = {(r["policy"], r["union"]): r for r in ep8}
+    assert all(r["latency_model"] == "glm-5 on rtx-pro-6000 tp=1 ep=8" for r in ep8)
+    for union in ("local", "global"):
+        plain, aware = by[("oea", union)], by[("ep-oea", union)]
+        assert aware["mean_active_experts"] > plain["mean_active_experts"]
+        assert aware["kept_mass"] > plain["kept_mass"]
+        assert plain["max_device_active_experts"] < by[("vanilla", "local")]["max_device_active_experts"]
+    # One union over the step: EP-aware OEA only uses idle EP ranks. Per-rank unions: each DP rank fills the same
+    # idle EP ranks, and together they make one busier than plain OEA's busiest (why the plugins refuse it there).
+    assert by[("ep-oea", "global")]["max_device_active_experts"] == by[("oea", "global")]["max_device_active_experts"]
+    assert by[("ep-oea", "local")]["max_device_active_experts"] > by[("oea", "local")]["max_device_active_experts"]
