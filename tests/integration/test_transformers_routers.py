@@ -25,6 +25,7 @@ from oea.integrations.transformers import (  # noqa: E402
     SOFTMAX_RENORM_ROUTERS,
     SUPPORTED_ROUTERS,
     MoELayer,
+    find_moe_layers,
     spec_from_router,
 )
 from oea.integrations.transformers.routing import _HandleState, _LayerHook  # noqa: E402
@@ -174,3 +175,19 @@ def test_unsupported_router_class_is_named() -> None:
 
     with pytest.raises(ValueError, match="GptLikeRouter"):
         spec_from_router(GptLikeRouter())
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_SIGMOID_ROUTERS))
+def test_groups_without_topk_group_are_named_at_load(name: str) -> None:
+    """A config with n_group but no topk_group: a clear error naming the field, or no limit for one group."""
+    router = _make_router(name, n_group=4, topk_group=None)
+    with pytest.raises(ValueError, match=f"router {name} has n_group=4 but topk_group=None"):
+        spec_from_router(router)
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.gate, model.mlp.experts = router, torch.nn.Module()
+    with pytest.raises(ValueError, match=r"MoE block 'mlp': .*topk_group"):
+        find_moe_layers(model)
+    spec = spec_from_router(_make_router(name, n_group=1, topk_group=None))
+    assert spec.n_group is None and spec.topk_group is None and not spec.grouped
+

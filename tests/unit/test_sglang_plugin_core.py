@@ -132,6 +132,30 @@ def test_unsupported_routings_raise(overrides: dict[str, Any], reason: str) -> N
         plugin.router_spec_from_topk_config(topk_config(**overrides), 64)
 
 
+@pytest.mark.parametrize("missing", [None, 0])
+def test_groups_without_topk_group_are_unsupported_naming_the_field(missing: int | None) -> None:
+    """A config with num_expert_group but no topk_group (SGLang asserts both) is no RouterSpec error."""
+    for cfg in (glm_config(num_expert_group=8, topk_group=missing),
+                topk_config(use_grouped_topk=True, num_expert_group=8, topk_group=missing)):
+        with pytest.raises(plugin.UnsupportedRouting, match="num_expert_group=8 without topk_group"):
+            plugin.router_spec_from_topk_config(cfg, 64)
+    one_group = plugin.router_spec_from_topk_config(glm_config(num_expert_group=1, topk_group=missing), 64)
+    assert one_group.n_group is None and not one_group.grouped  # one group limits nothing
+
+
+def test_groups_without_topk_group_pass_through_with_one_warning(
+    fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    kwargs = _hook_kwargs(topk_config(), experts=64)
+    kwargs["topk_config"] = glm_config(num_expert_group=8, topk_group=None)
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
+        for _ in range(3):
+            assert plugin_routing.post_process_before(**kwargs) is None  # SGLang's own routing, untouched
+    warnings = [r.getMessage() for r in caplog.records if "topk_group" in r.getMessage()]
+    assert len(warnings) == 1 and "num_expert_group=8" in warnings[0] and "passing through" in warnings[0]
+
+
 def test_grouped_without_group_limit_is_plain_softmax() -> None:
     spec = plugin.router_spec_from_topk_config(topk_config(use_grouped_topk=True, num_expert_group=4,
                                                            topk_group=4), 64)
@@ -486,7 +510,9 @@ def test_install_registers_every_planned_hook(monkeypatch: pytest.MonkeyPatch) -
     assert len(registered) == 3 and STATE.settings.oea.k0 == 3
 
 
-def test_hook_plan_falls_back_without_forward_context() -> None:
+def test_hook_plan_falls_back_without_forward_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per SGLang layout in tests/unit/test_sglang_decode_detection.py; here: the plan's order."""
+    monkeypatch.setattr(plugin_hooks.targets, "graph_capture_targets", lambda: [plugin.GRAPH_CAPTURE_TARGET])
     targets = [target for target, _, _ in plugin.hook_plan(False)]
     assert targets == [plugin.MODEL_RUNNER_FORWARD_TARGET, plugin.GRAPH_CAPTURE_TARGET,
                        plugin.SELECT_EXPERTS_TARGET, plugin.POST_PROCESS_TARGET]

@@ -103,6 +103,33 @@ def test_k0_above_top_k_is_rejected_naming_the_variable(monkeypatch: pytest.Monk
     assert state.decode_flag is not None and not bool(state.decode_flag)
 
 
+def test_grouped_router_without_topk_group_keeps_stock_routing_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n_group without topk_group (RouterSpec refuses it) must not stop the server: stock routing, one warning."""
+    import logging
+
+    from vllm_stand_ins import BaseRouter, fresh_state, install_vllm
+
+    install_vllm(monkeypatch)
+    bias = torch.zeros(64)
+
+    def grouped(topk_group: int | None) -> BaseRouter:
+        attrs = {"top_k": 8, "global_num_experts": 64, "renormalize": True, "scoring_func": "sigmoid",
+                 "e_score_correction_bias": bias, "num_expert_group": 8, "topk_group": topk_group}
+        return type("GroupedTopKRouter", (BaseRouter,), attrs)()
+
+    spec, reason = plugin.router_spec(grouped(None))
+    assert spec is None and "topk_group" in reason and "n_group=8" in reason
+    assert plugin.router_spec(grouped(4))[0] is not None  # the same router with its group limit is rewritable
+    state = fresh_state(monkeypatch, {"OEA_K0": "2"})
+    with caplog.at_level(logging.WARNING, logger="vllm.oea"):
+        plugin_hooks._after_load(torch.nn.Sequential(*(_MoELayer(grouped(None)) for _ in range(3))))
+    assert state.specs == [None, None, None] and state.decode_flag is not None
+    warnings = [r.getMessage() for r in caplog.records if "topk_group" in r.getMessage()]
+    assert len(warnings) == 1 and "keeps stock routing" in warnings[0]
+
+
 def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:
     path = tmp_path / "m.jsonl"
     writer = plugin_metrics.MetricsWriter(str(path), interval=0.05)

@@ -35,7 +35,8 @@ def router_spec_from_topk_config(
 
     Raises:
         UnsupportedRouting: for routings OEA does not rebuild here (custom routing functions,
-            sqrtsoftplus, non-STANDARD output formats, max-per-group grouping that limits groups).
+            sqrtsoftplus, non-STANDARD output formats, max-per-group grouping that limits groups,
+            ``num_expert_group`` > 1 without ``topk_group``).
     """
     output_format = getattr(topk_config, "output_format", None)
     if output_format is not None and getattr(output_format, "name", str(output_format)) != "STANDARD":
@@ -59,13 +60,15 @@ def router_spec_from_topk_config(
     factor = getattr(topk_config, "routed_scaling_factor", None)
     scale = float(factor) if scaling_fused and factor is not None else 1.0
 
+    if grouped and n_group and int(n_group) > 1 and not topk_group:
+        # SGLang asserts both on this path; oea does not guess a group limit (RouterSpec needs both).
+        raise UnsupportedRouting(f"num_expert_group={n_group} without topk_group (got {topk_group!r})")
     if grouped and bias is not None:
         # SGLang's biased grouped top-k is always sigmoid (scoring_func is ignored on this path);
-        # the group score is the sum of the top-2 biased scores, as in oea.
-        spec_n_group = int(n_group) if n_group else None
-        spec_topk_group = int(topk_group) if (n_group and topk_group) else None
+        # the group score is the sum of the top-2 biased scores, as in oea. One group is no limit.
+        groups = (int(n_group), int(topk_group)) if (n_group and topk_group) else (None, None)
         return RouterSpec(num_experts, routed_k, "sigmoid", renormalize, _bias_vector(bias, num_experts),
-                          spec_n_group, spec_topk_group, scale)
+                          *groups, scale)
     if scoring not in ("softmax", "sigmoid"):
         raise UnsupportedRouting(f"scoring_func={scoring!r}")
     if grouped and n_group and topk_group and int(topk_group) < int(n_group):

@@ -71,7 +71,8 @@ def spec_from_router(router: nn.Module, block: nn.Module | None = None) -> Route
             DeepSeek/GLM blocks keep ``top_k``, ``n_group``... on the block, not the gate).
 
     Raises:
-        ValueError: naming the router class when its routing is not one ``oea.route`` reproduces.
+        ValueError: naming the router class when its routing is not one ``oea.route`` reproduces, or
+            when a grouped router has ``n_group`` > 1 without ``topk_group``.
     """
     cls = type(router).__name__
     if cls not in SUPPORTED_ROUTERS:
@@ -95,6 +96,11 @@ def spec_from_router(router: nn.Module, block: nn.Module | None = None) -> Route
     topk_group = _first_attr(owners, ("topk_group",))
     norm = _first_attr(owners, ("norm_topk_prob",))
     scale = _first_attr(owners, ("routed_scaling_factor",))
+    if n_group is not None and int(n_group) > 1 and not topk_group:
+        raise ValueError(f"router {cls} has n_group={n_group} but topk_group={topk_group!r}: its config must set "
+                         f"topk_group (1..{n_group}; topk_group=n_group for no group limit)")
+    if n_group is not None and int(n_group) <= 1 and not topk_group:
+        n_group = None  # one group limits nothing
     return RouterSpec(
         num_experts,
         int(top_k),
