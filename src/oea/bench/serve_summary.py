@@ -128,7 +128,7 @@ def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = ""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("median_tpot_ms", "median TPOT (ms)"), ("output_throughput", "output throughput (tok/s)"),
               ("median_tpot_ms_ratio", "TPOT / baseline TPOT"))
-    for arm in dict.fromkeys(e["arm"] for e in summary):
+    for index, arm in enumerate(dict.fromkeys(e["arm"] for e in summary)):  # one colour per arm in every panel
         for ax, (key, _label) in zip(axes, panels, strict=True):
             points = [e for e in summary if e["arm"] == arm and key in e]
             if not points:
@@ -136,7 +136,8 @@ def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = ""
             mid = np.array([e[key] for e in points])
             err = np.array([[m - e[f"{key}_ci"][0] for m, e in zip(mid, points, strict=True)],
                             [e[f"{key}_ci"][1] - m for m, e in zip(mid, points, strict=True)]])
-            ax.errorbar([e["max_concurrency"] for e in points], mid, yerr=err, marker="o", capsize=3, label=arm)
+            ax.errorbar([e["max_concurrency"] for e in points], mid, yerr=err, marker="o", capsize=3, label=arm,
+                        color=f"C{index % 10}")
     for ax, (_key, label) in zip(axes, panels, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max concurrency")
