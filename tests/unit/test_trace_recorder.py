@@ -18,7 +18,7 @@ import oea
 import oea.integrations.recorder as recorder_module
 from oea.config import TraceSettings
 from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
-from oea.integrations.trace_file import FORMAT_NAME, FORMAT_VERSION, SPEC_FIELDS, TraceFileWriter
+from oea.integrations.trace_file import FORMAT_NAME, FORMAT_VERSION, SPEC_FIELDS, Column, TraceFileWriter
 from oea.routing import RouterSpec
 from oea.sim import make_batches, simulate
 from oea.traces import load_trace
@@ -259,3 +259,76 @@ def test_layers_added_one_by_one_are_collected_in_order() -> None:
         staging.stage(staging.add_layer(), torch.full((2, N), value))
     host, _ = staging.collect(2)
     assert host.shape == (3, 2, N) and host[:, :, 0].tolist() == [[1, 1], [2, 2], [3, 3]]
+
+
+KILLED_WORKER = """
+import logging, os, signal, sys, time
+import torch
+from oea.config import TraceSettings
+from oea.integrations.recorder import StepStaging, open_recorder
+from oea.routing import RouterSpec
+
+path, n, k, layers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rec = open_recorder(TraceSettings(path), path, RouterSpec(n, k), StepStaging(8, n, "cpu", num_layers=layers), {},
+                    logging.getLogger("killed"))
+g = torch.Generator().manual_seed(0)
+
+def step(step_id, rows):
+    for layer in range(layers):
+        rec.staging.stage(layer, torch.randn(rows, n, generator=g).to(torch.bfloat16))
+    rec.submit_step(step_id, rows, [f"r{i}" for i in range(rows)], [step_id] * rows)
+
+for step_id in (1, 2, 3):
+    step(step_id, 4)
+deadline = time.monotonic() + 30
+while rec._writer is None or rec._writer.checkpointed < 12:  # the idle checkpoint
+    assert time.monotonic() < deadline, "no checkpoint within 30 s"
+    time.sleep(0.05)
+step(4, 4)  # written after the checkpoint, not described by it
+os.kill(os.getpid(), signal.SIGKILL)  # as vLLM stops its workers: no atexit, no finalizer
+"""
+
+
+def test_a_worker_killed_after_a_checkpoint_leaves_the_trace_of_the_checkpointed_steps(tmp_path: pathlib.Path) -> None:
+    """vLLM's default shutdown SIGKILLs its workers: the file is made loadable in place at each checkpoint (here
+    when the writer goes idle), so the killed process leaves a validated trace of the steps before it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "killed.safetensors"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(path), str(N), str(K), str(L)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    trace = load_trace(str(path))
+    assert trace.step_ids.tolist() == [1] * 4 + [2] * 4 + [3] * 4
+    assert trace.num_layers == L and trace.logits.shape == (12, L, N) and trace.meta["steps_recorded"] == 3
+    assert trace.meta["stopped"].startswith("interrupted")
+    g = torch.Generator().manual_seed(0)
+    expected = torch.stack([torch.stack([torch.randn(4, N, generator=g).to(torch.bfloat16) for _ in range(L)], 1)
+                            for _ in range(3)]).reshape(12, L, N)
+    torch.testing.assert_close(trace.logits, expected.float(), rtol=0, atol=0)
+
+
+def test_a_checkpoint_is_replaced_by_the_finished_file(tmp_path: pathlib.Path) -> None:
+    """A checkpoint describes the rows so far (padding tensors skipped by the loader); rows appended after it
+    are not described until ``finish``, which compacts the file to its exact size."""
+    columns = [Column("logits", (L, N), torch.bfloat16),
+               *(Column(name, (), torch.int32) for name in ("request_ids", "positions", "step_ids"))]
+    writer = TraceFileWriter(tmp_path / "c.safetensors", columns, 2**20)
+    logits = _logits(6, 7)
+
+    def rows(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        ints = torch.arange(lo, hi, dtype=torch.int32)
+        return {"logits": logits[lo:hi], "request_ids": ints, "positions": ints, "step_ids": ints}
+
+    writer.append(rows(0, 4))
+    writer.checkpoint({"name": "c"}, RouterSpec(N, K))
+    writer.append(rows(4, 6))
+    checkpointed = load_trace(str(tmp_path / "c.safetensors"))
+    assert checkpointed.num_tokens == 4 and checkpointed.step_ids.tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(checkpointed.logits, logits[:4].float(), rtol=0, atol=0)
+    assert (tmp_path / "c.safetensors").stat().st_size > 2**19, "sized up front while it grows"
+    writer.finish({"name": "c"}, RouterSpec(N, K))
+    finished = load_trace(str(tmp_path / "c.safetensors"))
+    assert finished.step_ids.tolist() == list(range(6))
+    assert (tmp_path / "c.safetensors").stat().st_size == 4096 + 6 * (L * N * 2 + 12)

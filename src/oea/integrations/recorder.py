@@ -15,7 +15,9 @@ What runs where:
   blocking the engine);
 * a background thread waits for each step's event, appends its rows to the file (``trace_file``) and,
   when the size cap would be passed or the disk refuses a write, stops recording with one warning and
-  finishes the file; ``close`` (at process exit, or by the adapter) finishes it otherwise.
+  finishes the file; ``close`` (at process exit, or by the adapter) finishes it otherwise. At most every
+  ``CHECKPOINT_S`` seconds, and once the engine goes idle, the thread checkpoints the file (a loadable trace
+  of the steps so far, in place): an engine that kills its workers at shutdown keeps the trace up to there.
 
 Nothing here raises into the engine after start-up: a recording that cannot be written is a warning and
 serving goes on. The written trace holds ``logits`` (the router's own logits, in the dtype it produced
@@ -34,6 +36,7 @@ import pathlib
 import queue
 import random
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,6 +48,7 @@ from oea.routing import RouterSpec, route, router_scores
 
 QUEUE_STEPS = 64  # steps waiting for the writer before new ones are dropped
 CLOSE_TIMEOUT_S = 60.0
+CHECKPOINT_S = 1.0  # longest time the file goes without describing its written steps
 
 
 def trace_path_problem(path: str) -> str | None:
@@ -227,16 +231,33 @@ class TraceRecorder:
     # ----------------------------------------------------------------- the writer thread
 
     def _run(self) -> None:
+        last_checkpoint = time.monotonic()
         while True:
-            step = self._queue.get()
+            try:
+                step = self._queue.get(timeout=CHECKPOINT_S)
+            except queue.Empty:  # the engine is idle: describe what is written
+                step = False
             if step is None:
                 return
             if self._halted:
                 continue
             try:
-                self._write(step)
+                if step is not False:
+                    self._write(step)
+                if step is False or time.monotonic() - last_checkpoint >= CHECKPOINT_S:
+                    self._checkpoint()
+                    last_checkpoint = time.monotonic()
             except Exception as err:  # a full disk, a vanished folder: stop, keep what is written, serve on
                 self._stop(f"writing failed ({type(err).__name__}: {err})")
+
+    def _checkpoint(self) -> None:
+        """The file as a loadable trace of the steps written so far (nothing to do when none is new)."""
+        with self._lock:
+            writer = self._writer
+            if self._finishing or writer is None or writer.tokens == writer.checkpointed:
+                return
+            writer.checkpoint(self._sidecar_meta("interrupted: the process ended before finishing the file; the "
+                                                 "trace holds the steps up to its last checkpoint"), self.spec)
 
     def _write(self, step: _Step) -> None:
         if step.ready is not None:
@@ -296,12 +317,8 @@ class TraceRecorder:
                     writer.discard()
                 self.log.warning("oea: no decode step was recorded; no trace written to %s", self._path)
                 return None
-            meta = {**self.meta, "steps_recorded": self.steps, "steps_dropped": self.dropped,
-                    "stopped": self.stopped or "the engine stopped", "sample": self.settings.sample,
-                    "request_names": [str(r) for r in self._request_numbers],
-                    "recorded": self._recorded()}
             try:
-                self.finished = writer.finish(meta, self.spec)
+                self.finished = writer.finish(self._sidecar_meta(self.stopped or "the engine stopped"), self.spec)
             except Exception as err:  # e.g. the disk is full: free it rather than leave a broken file
                 writer.discard()
                 self.log.warning("oea: the trace %s could not be finished (%s: %s); it was removed", self._path,
@@ -310,6 +327,11 @@ class TraceRecorder:
         self.log.info("oea: trace of %d decode steps (%d tokens) written to %s", self.steps, writer.tokens,
                       self.finished)
         return self.finished
+
+    def _sidecar_meta(self, stopped: str) -> dict[str, Any]:
+        return {**self.meta, "steps_recorded": self.steps, "steps_dropped": self.dropped, "stopped": stopped,
+                "sample": self.settings.sample, "request_names": [str(r) for r in self._request_numbers],
+                "recorded": self._recorded()}
 
     def _recorded(self) -> str:
         if self.settings.content == "topk":

@@ -9,8 +9,13 @@ therefore gives each tensor a region sized for the most tokens the size cap allo
 writes row t of tensor i at ``region_i + t * row_bytes_i``; the regions past the first stay sparse on
 disk until ``finish`` moves them down behind the first (only the small tensors move: request ids,
 positions and step ids, or the ids of a top-k recording), truncates the file and writes the header into
-the space reserved at its start. A file that is not finished (the process was killed) has no sidecar,
-so ``oea`` refuses to load it instead of reading half-written rows.
+the space reserved at its start.
+
+The file is made loadable while it grows: it is sized up front (sparse) and ``checkpoint`` writes a header
+that names each tensor's written rows and fills the gaps between them with padding tensors (``_pad<i>``,
+bytes that the loader skips), then the sidecar. An engine that kills its workers at shutdown (vLLM's
+default stops them with SIGKILL) leaves the trace of its last checkpoint; a file killed before its first
+checkpoint has no sidecar, and ``oea`` refuses to load it instead of reading half-written rows.
 
 This module knows the format's names (``FORMAT_NAME``, ``FORMAT_VERSION``, the sidecar fields) without
 importing ``oea.traces`` (a tool, which adapters may not import); a unit test holds the two equal, and
@@ -34,6 +39,7 @@ FORMAT_NAME = "oea-trace"
 FORMAT_VERSION = 1
 SPEC_FIELDS = ("num_experts", "top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor")
 HEADER_BYTES = 4096  # 8-byte length + JSON header padded with spaces; tensor data starts here
+PAD_PREFIX = "_pad"  # checkpoint padding tensors between the growing regions (oea.traces skips them)
 COPY_CHUNK = 8 * 2**20
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
            torch.uint8: "U8", torch.int16: "I16"}
@@ -79,11 +85,17 @@ class TraceFileWriter:
             raise ValueError(f"a size cap of {max_bytes} bytes holds no token ({token_bytes} bytes each)")
         self.regions = [HEADER_BYTES + sum(c.row_bytes for c in columns[:i]) * self.capacity
                         for i in range(len(columns))]
+        self._fixed_at = HEADER_BYTES + token_bytes * self.capacity  # the fixed tensors, at the end
         self.tokens = 0
+        self.checkpointed = 0  # tokens the file's header and sidecar describe
         self.sidecar = self.path.with_suffix(".json")
         self.sidecar.unlink(missing_ok=True)
         self._file = open(self.path, "w+b")  # noqa: SIM115 - held open while recording, closed by finish
         self._file.write(b"\0" * HEADER_BYTES)
+        self._file.seek(self._fixed_at)
+        for tensor in self.fixed.values():
+            self._file.write(_bytes(tensor))
+        self._file.truncate(self._fixed_at + fixed_bytes)  # its final length while it grows (sparse)
 
     def fits(self, tokens: int) -> bool:
         """Whether ``tokens`` more tokens stay within the size cap."""
@@ -108,9 +120,36 @@ class TraceFileWriter:
             self._file.write(_bytes(data))
         self.tokens += count or 0
 
+    def checkpoint(self, meta: dict[str, Any], spec: RouterSpec) -> None:
+        """Make the file as it stands a loadable trace of the tokens written so far, in place: the rows go
+        to the OS, a header names each column's rows and pads the gaps (``_pad<i>``), then the sidecar is
+        replaced. Rows appended later are not described until the next checkpoint or ``finish``."""
+        f, t = self._file, self.tokens
+        f.flush()
+        header: dict[str, Any] = {}
+        ends = [*self.regions[1:], self._fixed_at]
+        for i, (column, region, end) in enumerate(zip(self.columns, self.regions, ends, strict=True)):
+            used = region + t * column.row_bytes
+            header[column.name] = {"dtype": _DTYPES[column.dtype], "shape": [t, *column.row_shape],
+                                   "data_offsets": [region - HEADER_BYTES, used - HEADER_BYTES]}
+            if end > used:
+                header[f"{PAD_PREFIX}{i}"] = {"dtype": "U8", "shape": [end - used],
+                                              "data_offsets": [used - HEADER_BYTES, end - HEADER_BYTES]}
+        offset = self._fixed_at
+        for name, tensor in self.fixed.items():
+            size = tensor.numel() * tensor.element_size()
+            header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
+            offset += size
+        self._write_header(header)
+        f.flush()
+        self._write_sidecar(meta, spec, t, [n for n in header if not n.startswith(PAD_PREFIX)])
+        self.checkpointed = t
+
     def finish(self, meta: dict[str, Any], spec: RouterSpec) -> pathlib.Path:
         """Compact the regions, write the header and the sidecar (``meta`` plus the format's own fields)."""
         f, t = self._file, self.tokens
+        self.sidecar.unlink(missing_ok=True)  # a checkpoint's sidecar no longer describes the file from here on
         offset = HEADER_BYTES
         header: dict[str, Any] = {}
         for column, region in zip(self.columns, self.regions, strict=True):
@@ -128,23 +167,33 @@ class TraceFileWriter:
                             "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
             offset += size
         f.truncate(offset)
+        self._write_header(header)
+        f.close()
+        self._write_sidecar(meta, spec, t, list(header))
+        return self.path
+
+    def _write_header(self, header: dict[str, Any]) -> None:
         text = json.dumps(header, separators=(",", ":")).encode()
         if len(text) > HEADER_BYTES - 8:
             raise ValueError(f"trace header of {len(text)} bytes does not fit the {HEADER_BYTES - 8} reserved")
-        f.seek(0)
-        f.write(struct.pack("<Q", HEADER_BYTES - 8) + text + b" " * (HEADER_BYTES - 8 - len(text)))
-        f.close()
-        sidecar = {**meta, "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_tokens": t,
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", HEADER_BYTES - 8) + text + b" " * (HEADER_BYTES - 8 - len(text)))
+
+    def _write_sidecar(self, meta: dict[str, Any], spec: RouterSpec, tokens: int, tensors: list[str]) -> None:
+        """The sidecar, replaced in one rename (a reader never sees half of it)."""
+        sidecar = {**meta, "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_tokens": tokens,
                    "num_layers": _num_layers(self.columns), "spec": {n: getattr(spec, n) for n in SPEC_FIELDS},
-                   "tensors": sorted(header)}
-        self.sidecar.write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-        return self.path
+                   "tensors": sorted(tensors)}
+        partial = self.sidecar.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        os.replace(partial, self.sidecar)
 
     def discard(self) -> None:
         """Close and remove the unfinished file (frees a full disk when finishing failed)."""
         if not self._file.closed:
             self._file.close()
         self.path.unlink(missing_ok=True)
+        self.sidecar.unlink(missing_ok=True)
 
     @property
     def closed(self) -> bool:
