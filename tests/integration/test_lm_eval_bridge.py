@@ -72,6 +72,12 @@ def test_oea_attached_through_lm_eval(embedded, task_dir, monkeypatch) -> None:
     # k0 = 1 really reroutes the decode steps lm-eval's generate() runs
     assert reduced["oea"]["mean_active_experts"] < vanilla["oea"]["mean_active_experts"]
     assert reduced["oea"]["decode_steps"] > 0
+    # every routing mean carries its interval over decode steps
+    for key in ("mean_active_experts", "mean_active_experts_vanilla", "active_vs_vanilla", "mean_experts_per_token"):
+        low, high = reduced["oea"][f"{key}_ci"]
+        assert low <= reduced["oea"][key] <= high, key
+    assert reduced["oea"]["active_vs_vanilla_ci"][1] < 1.0
+    assert same["oea"]["mean_active_experts_ci"] == vanilla["oea"]["mean_active_experts_ci"]
 
 
 def test_bad_k0_is_named(embedded, task_dir) -> None:

@@ -105,11 +105,14 @@ def _lm_eval(args: argparse.Namespace) -> int:
     console = wide_console()
     for run in runs:
         routing = run["oea"]
+        cells = {key: format_interval(routing[key], routing[f"{key}_ci"], digits) for key, digits in
+                 (("mean_active_experts", 1), ("mean_active_experts_vanilla", 1), ("active_vs_vanilla", 2),
+                  ("mean_experts_per_token", 2))}
         console.print(f"B={run['batch_size']} policy={routing['policy']} k0={routing['k0']}: "
                       f"{routing['decode_steps']} decode steps, active experts per layer and step "
-                      f"{routing['mean_active_experts']:.1f} (vanilla routing would load "
-                      f"{routing['mean_active_experts_vanilla']:.1f}), experts/token "
-                      f"{routing['mean_experts_per_token']:.2f}")
+                      f"{cells['mean_active_experts']} (vanilla routing would load "
+                      f"{cells['mean_active_experts_vanilla']}; ratio {cells['active_vs_vanilla']}), experts/token "
+                      f"{cells['mean_experts_per_token']} (95% intervals over decode steps)", soft_wrap=True)
         for task, metrics in run["results"].items():
             shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items()
                               if isinstance(value, float) and "stderr" not in name)

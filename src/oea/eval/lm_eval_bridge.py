@@ -16,6 +16,7 @@ import contextlib
 import pathlib
 import subprocess
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES: tuple[str, ...] = ("vanilla", "pruned", "oea")
@@ -43,6 +44,56 @@ def check_lm_eval_arguments(policy: str | None, k0: int | None, include_path: st
     resolve_policy(policy, k0)
     if include_path is not None and not pathlib.Path(include_path).is_dir():
         raise FileNotFoundError(f"--include-path {include_path}: no such directory (it should hold task YAMLs)")
+
+
+@dataclass
+class StepSamples:
+    """Per decode step, means over the MoE layers: active experts (``active``), the router's own picks
+    (``vanilla``) and non-zero-weight slots per token (``per_token``): the samples behind the intervals."""
+
+    active: list[float] = field(default_factory=list)
+    vanilla: list[float] = field(default_factory=list)
+    per_token: list[float] = field(default_factory=list)
+
+    def fields(self, seed: int = 0) -> dict[str, Any]:
+        """Routing means with their 95% intervals (``*_ci``, None below two decode steps)."""
+        from oea.eval.summary import ci_or_none, routing_fields
+
+        mean = sum(self.vanilla) / len(self.vanilla) if self.vanilla else 0.0
+        return {**routing_fields(self.active, self.per_token, self.vanilla, seed),
+                "mean_active_experts_vanilla": mean, "mean_active_experts_vanilla_ci": ci_or_none(self.vanilla)}
+
+
+def _handle_totals(handle: Any) -> dict[int, tuple[int, int, float, float, float]]:
+    """``{layer: (decode steps, rows, active, vanilla active, used slots)}`` summed since attach."""
+    return {index: (s["steps"], s["tokens"], s["mean_active_experts"] * s["steps"],
+                    s["mean_active_experts_vanilla"] * s["steps"], s["mean_experts_per_token"] * s["tokens"])
+            for index, s in handle.stats().items()}
+
+
+@contextlib.contextmanager
+def step_samples(model: Any, handle: Any) -> Iterator[StepSamples]:
+    """Collect ``StepSamples`` of every forward of ``model`` that ran a decode step under ``handle``
+    (a forward hook diffs the handle's counters; forwards without a decode step add nothing)."""
+    samples = StepSamples()
+    last = _handle_totals(handle)
+
+    def after_forward(*_: Any) -> None:
+        nonlocal last
+        now = _handle_totals(handle)
+        steps, rows, active, vanilla, slots = (sum(n[i] - last[layer][i] for layer, n in now.items())
+                                               for i in range(5))
+        last = now
+        if steps:
+            samples.active.append(active / steps)
+            samples.vanilla.append(vanilla / steps)
+            samples.per_token.append(slots / rows if rows else 0.0)
+
+    hook = model.register_forward_hook(after_forward)
+    try:
+        yield samples
+    finally:
+        hook.remove()
 
 
 @contextlib.contextmanager
@@ -102,8 +153,10 @@ def run_lm_eval(
 
     Returns:
         ``{"results": lm-eval's per-task metrics, "oea": {"policy", "k0", "decode_only",
-        "decode_steps", "mean_active_experts", "mean_active_experts_vanilla",
-        "mean_experts_per_token"}}`` (routing means over every MoE layer and decode step).
+        "decode_steps", "tokens", "mean_active_experts", "mean_active_experts_vanilla",
+        "mean_experts_per_token", "active_vs_vanilla"}}``: routing means over decode steps (each step's
+        mean over the MoE layers), each with its 95% interval in a ``*_ci`` field (``[low, high]``; t
+        interval, a paired bootstrap for the ratio ``active_vs_vanilla``; None below two decode steps).
 
     Raises:
         ImportError: lm-eval is not installed (names the extra to install).
@@ -138,7 +191,7 @@ def run_lm_eval(
         manager = TaskManager(
             include_path=None if include_path is None else str(include_path), include_defaults=builtin_tasks
         )
-        with _quiet_git_hash():
+        with _quiet_git_hash(), step_samples(model, handle) as samples:
             output = simple_evaluate(
                 model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                 random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
@@ -149,11 +202,6 @@ def run_lm_eval(
         handle.remove()
     steps = sum(s["steps"] for s in stats.values())
     tokens = sum(s["tokens"] for s in stats.values())
-
-    def weighted(key: str, by: str) -> float:
-        total = sum(s[by] for s in stats.values())
-        return sum(s[key] * s[by] for s in stats.values()) / total if total else 0.0
-
     return {
         "results": output["results"] if output is not None else {},
         "oea": {
@@ -162,8 +210,6 @@ def run_lm_eval(
             "decode_only": decode_only,
             "decode_steps": steps // max(1, len(stats)),
             "tokens": tokens // max(1, len(stats)),
-            "mean_active_experts": weighted("mean_active_experts", "steps"),
-            "mean_active_experts_vanilla": weighted("mean_active_experts_vanilla", "steps"),
-            "mean_experts_per_token": weighted("mean_experts_per_token", "tokens"),
+            **samples.fields(seed),
         },
     }
