@@ -1,9 +1,10 @@
 """Check that the test suite notices realistic one-line bugs (mutation check).
 
-Each mutation in the catalogue (``scripts/mutations.toml``) replaces one exact snippet of one file
-under ``src/`` in a scratch copy of ``src`` (never in the working tree), runs the tests it names with
-``PYTHONPATH`` pointing at the copy (which wins over the editable install, also in subprocesses and
-in the engine venvs' servers), and reports whether a test failed ("killed") or not ("SURVIVED").
+Each mutation in the catalogue (``scripts/mutations.toml``) replaces one exact snippet (or a list of
+them) of one file under ``src/`` in a scratch copy of ``src`` (never in the working tree), runs the
+tests it names with ``PYTHONPATH`` pointing at the copy (which wins over the editable install, also in
+subprocesses and in the engine venvs' servers), and reports whether a test failed ("killed") or not
+("SURVIVED").
 
     .venv/bin/python scripts/mutation_check.py --list
     .venv/bin/python scripts/mutation_check.py                      # every mutation (long)
@@ -40,8 +41,8 @@ FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")  # ERROR (a test that cannot 
 class Mutation:
     id: str
     file: str  # relative to src/
-    old: str
-    new: str
+    old: str | tuple[str, ...]  # a tuple: several snippets of one file, each replaced by its ``new``
+    new: str | tuple[str, ...]
     tests: tuple[str, ...]
     marks: str  # pytest -m expression ("" = every test named)
     why: str
@@ -55,7 +56,12 @@ def load_catalogue(path: Path) -> list[Mutation]:
         missing = sorted({"id", "file", "old", "new", "tests"} - set(entry))
         if missing:
             raise ValueError(f"{path}: mutation {entry.get('id', '?')!r} lacks fields {missing}")
-        mutations.append(Mutation(entry["id"], entry["file"], entry["old"], entry["new"], tuple(entry["tests"]),
+        old, new = entry["old"], entry["new"]
+        if isinstance(old, list) or isinstance(new, list):
+            if not (isinstance(old, list) and isinstance(new, list) and len(old) == len(new) > 0):
+                raise ValueError(f"{path}: mutation {entry['id']!r}: old and new must be lists of the same length")
+            old, new = tuple(old), tuple(new)
+        mutations.append(Mutation(entry["id"], entry["file"], old, new, tuple(entry["tests"]),
                                   entry.get("marks", "not slow and not engine"), entry.get("why", "")))
     ids = [m.id for m in mutations]
     duplicated = sorted({i for i in ids if ids.count(i) > 1})
@@ -72,11 +78,18 @@ def apply(mutation: Mutation, src: Path) -> str | None:
     text = target.read_text()
     if mutation.old == mutation.new == "":  # identity (baseline run)
         return None
-    count = text.count(mutation.old)
-    if count != 1:
-        return f"the snippet occurs {count} times in {mutation.file} (must be exactly once)"
-    target.write_text(text.replace(mutation.old, mutation.new))
+    for old, new in zip(*map(snippets, (mutation.old, mutation.new)), strict=True):
+        count = text.count(old)
+        if count != 1:
+            return f"the snippet occurs {count} times in {mutation.file} (must be exactly once)"
+        text = text.replace(old, new)
+    target.write_text(text)
     return None
+
+
+def snippets(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A mutation's ``old`` or ``new`` as a tuple of snippets."""
+    return (value,) if isinstance(value, str) else value
 
 
 def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, str, float]:
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         stale = 0
         for m in mutations:
             target = ROOT / "src" / m.file
-            count = target.read_text().count(m.old) if target.is_file() else 0
+            text = target.read_text() if target.is_file() else ""
+            count = next((n for n in (text.count(old) for old in snippets(m.old)) if n != 1), 1)
             if count != 1:
                 stale += 1
                 print(f"not-applied {m.id:40s} the snippet occurs {count} times in {m.file}")
