@@ -51,8 +51,13 @@ def _generate(embedded, cfg):
     return samples, independent, stats
 
 
-def test_one_sample_per_decode_step_equal_to_the_layers_own_counters(embedded) -> None:
-    samples, independent, stats = _generate(embedded, oea.OEAConfig(1, min_batch=1))
+@pytest.fixture(scope="module")
+def k0_one(embedded):
+    return _generate(embedded, oea.OEAConfig(1, min_batch=1))
+
+
+def test_one_sample_per_decode_step_equal_to_the_layers_own_counters(k0_one) -> None:
+    samples, independent, stats = k0_one
     steps = {s["steps"] for s in stats.values()}
     assert steps == {NEW_TOKENS - 1}  # the first new token comes from the prefill forward
     assert len(samples.active) == len(samples.vanilla) == len(samples.per_token) == NEW_TOKENS - 1
@@ -65,8 +70,8 @@ def test_one_sample_per_decode_step_equal_to_the_layers_own_counters(embedded) -
     assert all(1.0 <= p < 8.0 for p in samples.per_token)
 
 
-def test_every_routing_mean_carries_its_interval_over_decode_steps(embedded) -> None:
-    samples, _, _ = _generate(embedded, oea.OEAConfig(1, min_batch=1))
+def test_every_routing_mean_carries_its_interval_over_decode_steps(embedded, k0_one) -> None:
+    samples, _, _ = k0_one
     fields = samples.fields()
     for key, values in (("mean_active_experts", samples.active), ("mean_active_experts_vanilla", samples.vanilla),
                         ("mean_experts_per_token", samples.per_token)):
