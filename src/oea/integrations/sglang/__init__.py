@@ -10,8 +10,9 @@ SGLang 0.5.12-0.5.23; older versions: ``python -m oea.launch.sglang`` (see docs/
 One job per file:
 
 * ``plugin.py``: ``register``, ``install`` (HookRegistry) and ``install_without_registry`` (direct patches);
-* ``hooks.py``: the hooks SGLang calls around each forward (decode detection), the plan of which hook goes
-  on which target for the installed version, and whether each is in place;
+* ``hooks.py``: the hooks SGLang calls around each forward (decode detection: ``forward_context`` where it
+  carries the batch, else ``ModelRunner.forward`` and the graph captures), the plan of which hook goes on
+  which target for the installed version, and whether each is in place;
 * ``routing.py``: the hot path, run in every routing call (``post_process_before`` -> ``rewrite_topk``);
 * ``specs.py``: SGLang's ``TopKConfig`` -> ``RouterSpec`` (or why not);
 * ``state.py``: per-process state and the per-thread forward-mode stack;
@@ -28,6 +29,8 @@ from oea.integrations.sglang.routing import rewrite_topk
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config, shared_topk_slots
 from oea.integrations.sglang.state import current_forward_mode, decode_active, forward_mode
 from oea.integrations.sglang.targets import (
+    CPU_GRAPH_CAPTURE_TARGET,
+    DECODE_GRAPH_CAPTURE_TARGET,
     ENTRY_POINT_GROUP,
     ENTRY_POINT_VALUE,
     EXPECTED_PARAMETERS,
@@ -44,6 +47,8 @@ from oea.integrations.sglang.targets import (
 )
 
 __all__ = [
+    "CPU_GRAPH_CAPTURE_TARGET",
+    "DECODE_GRAPH_CAPTURE_TARGET",
     "ENTRY_POINT_GROUP",
     "ENTRY_POINT_VALUE",
     "EXPECTED_PARAMETERS",

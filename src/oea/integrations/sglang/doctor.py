@@ -18,10 +18,16 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, same_routing, version_tuple
-from oea.integrations.sglang.hooks import hook_plan, hooks_status, padding_targets, target_hooked
+from oea.integrations.sglang.hooks import (
+    decode_detection,
+    hook_plan,
+    hooks_status,
+    model_runner_phase,
+    padding_targets,
+    target_hooked,
+)
 from oea.integrations.sglang.placement import doctor_placement
 from oea.integrations.sglang.plugin import install, register
-from oea.integrations.sglang.state import forward_mode
 from oea.integrations.sglang.targets import engine_version
 from oea.routing import OEAConfig, RouterSpec, active_experts, route
 
@@ -46,6 +52,7 @@ def doctor_checks() -> list[dict[str, Any]]:
     imports_ok = all(c["ok"] for c in checks if c["name"] == "imports")
     if all(c["ok"] for c in checks):
         checks.append(check_call("hooks live", _check_hooks_live))
+        checks.append(check_decode_detection())
         checks.append(check_call("self-test select_experts", _self_test))
     else:
         checks.append(check("self-test select_experts", False, "skipped: fix the failed checks above first; "
@@ -185,6 +192,36 @@ def _check_hooks_live() -> str:
     return f"installed on {', '.join(status)}"
 
 
+def check_decode_detection() -> dict[str, Any]:
+    """Which decode-detection path this SGLang gets (chosen by ``forward_context``'s signature) and whether it
+    is live in this process (its hooks installed; ``oea doctor`` installs them through ``load_plugins``)."""
+    return check_call("decode detection", _check_decode_detection)
+
+
+def _short(target: str) -> str:
+    return ".".join(target.rsplit(".", 2)[-2:])
+
+
+def _check_decode_detection() -> str:
+    path = [target for target, _ in decode_detection()]
+    if path[0] == targets.FORWARD_CONTEXT_TARGET:
+        how = (f"AROUND {targets.FORWARD_CONTEXT_TARGET}(ctx, *, forward_batch): every forward and graph capture "
+               "carries its batch's forward_mode")
+    else:
+        why = ("its forward_context(ctx) is entered without the batch"
+               if targets.module_available(targets.FORWARD_CONTEXT_MODULE) else "this SGLang has no forward_context")
+        captures = ", ".join(_short(t) for t in path[1:]) or "no graph runner found"
+        how = (f"AROUND ModelRunner.forward(self, forward_batch) (eager forwards and graph replays) and the "
+               f"runners' capture_forward_mode while graphs are captured ({captures}); {why}")
+    if settings_from_env().oea is None:
+        return f"OEA off; with OEA_K0 set: {how}"
+    missing = [target for target in path if not target_hooked(target)]
+    if missing:
+        raise RuntimeError(f"not installed on {', '.join(missing)}: decode forwards there keep SGLang's routing "
+                           f"(HookRegistry logged why); planned: {how}")
+    return f"live: {how}"
+
+
 def _self_test() -> str:
     """Route 16 decode rows through the real ``select_experts`` (torch-native softmax) and compare."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -255,17 +292,18 @@ def _check_padding() -> str:
 
 @contextlib.contextmanager
 def _doctor_forward(mode_name: str) -> Iterator[None]:
-    """SGLang's ``forward_context`` (hooked) with a minimal batch in ``mode_name``; phase stack fallback."""
+    """SGLang's ``forward_context`` (hooked) with a minimal batch in ``mode_name``, or on versions whose
+    forward_context lacks the batch, the ``ModelRunner.forward`` hook's phase."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     mode = getattr(ForwardMode, mode_name)
-    if not targets.module_exists(targets.FORWARD_CONTEXT_MODULE):
-        with forward_mode(mode):
+    batch = SimpleNamespace(forward_mode=mode, moe_num_token_non_padded=None)
+    if decode_detection()[0][0] != targets.FORWARD_CONTEXT_TARGET:
+        with model_runner_phase(batch):  # what the ModelRunner.forward hook holds (no ModelRunner built here)
             yield
         return
     fc = importlib.import_module(targets.FORWARD_CONTEXT_MODULE)
-    batch = SimpleNamespace(forward_mode=mode, moe_num_token_non_padded=None)
     with fc.forward_context(fc.ForwardContext(attn_backend=None), forward_batch=batch):
         yield

@@ -1,8 +1,11 @@
 """The hooks the plugin puts into SGLang, and whether they are in place.
 
-* Decode detection: an AROUND hook on ``forward_context`` (0.5.15+) or, on versions without it, on
-  ``ModelRunner.forward`` plus ``CudaGraphRunner.capture_one_batch_size``. Each pushes the batch's
-  ``ForwardMode`` on the per-thread stack of ``state.py`` for the duration of the forward (or capture).
+* Decode detection, chosen by signature (``decode_detection``): an AROUND hook on
+  ``forward_context(ctx, *, forward_batch)`` where it carries the batch (0.5.23+); else on
+  ``ModelRunner.forward(self, forward_batch)`` plus the graph runners' capture (``capture_forward_mode``):
+  0.5.12, which has no ``forward_context``, and 0.5.13-0.5.22, whose ``forward_context(ctx)`` never sees
+  the batch. Each pushes the batch's ``ForwardMode`` on the per-thread stack of ``state.py`` for the
+  duration of the forward (or capture).
 * The rewrite: ``routing.post_process_before`` and ``routing.select_experts_before`` (BEFORE hooks).
 * CUDA-graph padding: ``padding.replay_around`` on the graph runners' replay preparation; the phase hooks
   also push each forward's row frame (``padding.batch_rows``).
@@ -23,7 +26,9 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.routing import post_process_before, select_experts_around_legacy, select_experts_before
-from oea.integrations.sglang.state import STATE, forward_mode, log
+from oea.integrations.sglang.state import STATE, forward_mode, log, warn_once
+
+_NO_MODE = object()
 
 
 def _forward_context_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -42,16 +47,30 @@ def _phase_context(inner: Any, mode: Any, forward_batch: Any) -> Iterator[Any]:
 
 
 def _model_runner_forward_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``ModelRunner.forward(self, forward_batch, ...)`` (versions without forward_context)."""
+    """AROUND ``ModelRunner.forward(self, forward_batch, ...)`` (versions whose forward_context lacks the batch)."""
     forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
-    _note_phase_hook()
-    mode = getattr(forward_batch, "forward_mode", None)
-    with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode):
+    with model_runner_phase(forward_batch):
         return original(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def model_runner_phase(forward_batch: Any) -> Iterator[None]:
+    """What the ``ModelRunner.forward`` hook holds around one forward of ``forward_batch``: its mode (a batch
+    without ``forward_mode`` warns once and keeps SGLang's routing), row frame and recording."""
+    _note_phase_hook()
+    mode = getattr(forward_batch, "forward_mode", _NO_MODE)
+    if mode is _NO_MODE:
+        warn_once("mode-unknown", f"{targets.MODEL_RUNNER_FORWARD_TARGET} got no batch with a forward_mode "
+                                  f"(sglang {targets.engine_version()}; supported: {targets.SUPPORTED_VERSIONS}); "
+                                  "such forwards keep SGLang's routing")
+        mode = None
+    with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode):
+        yield
+
+
 def _graph_capture_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``CudaGraphRunner.capture_one_batch_size`` (versions without forward_context)."""
+    """AROUND a graph runner's capture of one batch size (``targets.graph_capture_targets``; versions whose
+    ``forward_context`` lacks the batch): the runner's ``capture_forward_mode`` is the captured graph's mode."""
     runner = args[0] if args else None
     _note_phase_hook()
     with forward_mode(getattr(runner, "capture_forward_mode", None)), padding.capture_rows(runner, args[1:], kwargs):
@@ -71,20 +90,33 @@ def _note_phase_hook() -> None:
         padding.check_replay_hooks(target_hooked)
 
 
+def decode_detection(phase_via_forward_context: bool | None = None) -> list[tuple[str, Callable[..., Any]]]:
+    """(target, AROUND hook) that tell decode forwards apart on this SGLang, chosen by signature:
+    ``forward_context`` where it takes ``forward_batch``, else ``ModelRunner.forward`` and the graph captures."""
+    if phase_via_forward_context is None:
+        phase_via_forward_context = targets.forward_context_takes_batch()
+    if phase_via_forward_context:
+        return [(targets.FORWARD_CONTEXT_TARGET, _forward_context_around)]
+    return [(targets.MODEL_RUNNER_FORWARD_TARGET, _model_runner_forward_around),
+            *((target, _graph_capture_around) for target in targets.graph_capture_targets())]
+
+
 def hook_plan(phase_via_forward_context: bool | None = None) -> list[tuple[str, Callable[..., Any], str]]:
     """(target, hook, HookType name) for this SGLang version, in registration order."""
-    if phase_via_forward_context is None:
-        phase_via_forward_context = targets.module_exists(targets.FORWARD_CONTEXT_MODULE)
-    plan: list[tuple[str, Callable[..., Any], str]] = []
-    if phase_via_forward_context:
-        plan.append((targets.FORWARD_CONTEXT_TARGET, _forward_context_around, "AROUND"))
-    else:
-        plan.append((targets.MODEL_RUNNER_FORWARD_TARGET, _model_runner_forward_around, "AROUND"))
-        plan.append((targets.GRAPH_CAPTURE_TARGET, _graph_capture_around, "AROUND"))
+    plan = [(target, hook, "AROUND") for target, hook in decode_detection(phase_via_forward_context)]
     plan.append((targets.SELECT_EXPERTS_TARGET, select_experts_before, "BEFORE"))
     plan.append((targets.POST_PROCESS_TARGET, post_process_before, "BEFORE"))
     plan.extend(padding.replay_plan())  # only the hook points this SGLang has (padding.replay_targets)
     return plan
+
+
+def _phase_hooks() -> dict[str, Callable[..., Any]]:
+    """Each decode-detection target's own hook, whichever path the plan picks."""
+    return {targets.FORWARD_CONTEXT_TARGET: _forward_context_around,
+            targets.MODEL_RUNNER_FORWARD_TARGET: _model_runner_forward_around,
+            targets.DECODE_GRAPH_CAPTURE_TARGET: _graph_capture_around,
+            targets.GRAPH_CAPTURE_TARGET: _graph_capture_around,
+            targets.CPU_GRAPH_CAPTURE_TARGET: _graph_capture_around}
 
 
 def resolve(dotted: str) -> Any:
@@ -109,7 +141,7 @@ def has_hook(fn: Any, hook: Callable[..., Any]) -> bool:
 
 def target_hooked(target: str) -> bool:
     """Whether the OEA hook planned for ``target`` is installed in this process."""
-    hooks = {t: h for t, h, _ in hook_plan()} | {targets.SELECT_EXPERTS_TARGET: select_experts_before}
+    hooks = {t: h for t, h, _ in hook_plan()} | _phase_hooks() | {targets.SELECT_EXPERTS_TARGET: select_experts_before}
     hook = hooks.get(target)
     if hook is None:
         return False

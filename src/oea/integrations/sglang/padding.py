@@ -24,10 +24,8 @@ per-thread stack ``PHASE.rows``; a nested context with the same batch reuses the
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,17 +59,7 @@ class RowsFrame:
 
 def _module_file_exists(module: str) -> bool:
     """Whether SGLang ships ``module`` (a ``sglang.srt.model_executor`` submodule), without importing it."""
-    if not module.startswith(MODEL_EXECUTOR + "."):
-        return targets.module_exists(module)
-    if not targets.module_exists(MODEL_EXECUTOR):
-        return False
-    spec = importlib.util.find_spec(MODEL_EXECUTOR)
-    parts = module[len(MODEL_EXECUTOR) + 1:].split(".")
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        base = Path(root, *parts[:-1])
-        if (base / f"{parts[-1]}.py").is_file() or (base / parts[-1] / "__init__.py").is_file():
-            return True
-    return False
+    return targets.module_available(module)
 
 
 def _target_module(target: str) -> str:
@@ -245,9 +233,10 @@ def batch_rows(forward_batch: Any, mode: Any) -> contextlib.AbstractContextManag
 
 
 def capture_rows(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """Frame of ``CudaGraphRunner.capture_one_batch_size(self, bs, forward)`` (versions without
-    ``forward_context``; ``args``/``kwargs`` after ``self``): ``bs`` times the runner's tokens per request."""
-    bs = kwargs.get("bs", args[0] if args else None)
+    """Frame of a graph capture: ``capture_one_batch_size(self, bs, forward)`` (0.5.12-0.5.13, CPU runner) or
+    ``DecodeCudaGraphRunner.capture_one_shape(self, size, forward)`` (0.5.14-0.5.22); ``args``/``kwargs`` after
+    ``self``: ``bs`` times the runner's tokens per request."""
+    bs = kwargs.get("bs", kwargs.get("size", args[0] if args else None))
     width = getattr(runner, "num_tokens_per_bs", None) or getattr(runner, "captured_req_width", None) or 1
     device = getattr(runner, "device", None)
     if not isinstance(bs, int) or device is None:

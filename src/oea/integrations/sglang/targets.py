@@ -4,6 +4,10 @@ and the parameters each hook reads (checked by ``oea doctor sglang``)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import pkgutil
+import sys
+from pathlib import Path
 
 from oea.integrations.doctor_common import installed_version
 
@@ -18,8 +22,15 @@ POST_PROCESS_TARGET = f"{TOPK_MODULE}._post_process_topk_ids"
 SELECT_EXPERTS_TARGET = f"{TOPK_MODULE}.select_experts"
 FORWARD_CONTEXT_MODULE = "sglang.srt.model_executor.forward_context"
 FORWARD_CONTEXT_TARGET = f"{FORWARD_CONTEXT_MODULE}.forward_context"
-MODEL_RUNNER_FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-GRAPH_CAPTURE_TARGET = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size"
+MODEL_EXECUTOR = "sglang.srt.model_executor"
+# Decode detection without a batch-carrying forward_context (0.5.12-0.5.22): the batch of every eager forward
+# and graph replay, and the runner's capture_forward_mode while a graph is captured (capture runs outside
+# ModelRunner.forward). One CUDA capture point per version, newest first, plus the CPU graph runner's.
+MODEL_RUNNER_FORWARD_TARGET = f"{MODEL_EXECUTOR}.model_runner.ModelRunner.forward"
+DECODE_GRAPH_CAPTURE_TARGET = (f"{MODEL_EXECUTOR}.runner.decode_cuda_graph_runner."
+                               "DecodeCudaGraphRunner.capture_one_shape")  # 0.5.14-0.5.22
+GRAPH_CAPTURE_TARGET = f"{MODEL_EXECUTOR}.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size"  # 0.5.12-0.5.13
+CPU_GRAPH_CAPTURE_TARGET = f"{MODEL_EXECUTOR}.cpu_graph_runner.CPUGraphRunner.capture_one_batch_size"
 
 # Parameters each hook relies on (checked by ``oea doctor``; the hooks read them by keyword).
 EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -28,7 +39,9 @@ EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
     SELECT_EXPERTS_TARGET: ("hidden_states", "router_logits", "topk_config", "num_token_non_padded"),
     FORWARD_CONTEXT_TARGET: ("ctx", "forward_batch"),
     MODEL_RUNNER_FORWARD_TARGET: ("self", "forward_batch"),
-    GRAPH_CAPTURE_TARGET: ("self",),
+    DECODE_GRAPH_CAPTURE_TARGET: ("self", "size"),
+    GRAPH_CAPTURE_TARGET: ("self", "bs"),
+    CPU_GRAPH_CAPTURE_TARGET: ("self", "bs"),
 }
 SIMULATION_VARIABLES = ("SGLANG_SIMULATE_UNIFORM_EXPERTS", "SGLANG_SIMULATE_ROUND_ROBIN_EXPERTS")
 
@@ -44,3 +57,45 @@ def module_exists(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ModuleNotFoundError, ValueError):
         return False
+
+
+def module_available(module: str) -> bool:
+    """Whether ``module`` is imported or SGLang ships it, without importing it (nor its heavy parents)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    if not module.startswith(MODEL_EXECUTOR + "."):
+        return module_exists(module)
+    if not module_exists(MODEL_EXECUTOR):
+        return False
+    spec = importlib.util.find_spec(MODEL_EXECUTOR)
+    parts = module[len(MODEL_EXECUTOR) + 1:].split(".")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        base = Path(root, *parts[:-1])
+        if (base / f"{parts[-1]}.py").is_file() or (base / parts[-1] / "__init__.py").is_file():
+            return True
+    return False
+
+
+def target_module(target: str) -> str:
+    """The module of a ``module.Class.method`` target."""
+    return target.rsplit(".", 2)[0]
+
+
+def forward_context_takes_batch() -> bool:
+    """Whether SGLang's ``forward_context`` receives the batch (``forward_context(ctx, *, forward_batch)``,
+    0.5.23+), read from its signature. 0.5.13-0.5.22 ship ``forward_context(ctx)``: a hook there never sees
+    a forward mode. False also when the module is missing (0.5.12) or cannot be imported."""
+    if not module_available(FORWARD_CONTEXT_MODULE):
+        return False
+    try:
+        parameters = inspect.signature(pkgutil.resolve_name(FORWARD_CONTEXT_TARGET)).parameters
+    except Exception:  # an SGLang that cannot be imported here: the fallback's own checks report it
+        return False
+    return "forward_batch" in parameters
+
+
+def graph_capture_targets() -> list[str]:
+    """The graph-capture hook points this SGLang ships: its CUDA decode runner's and the CPU runner's."""
+    cuda = [t for t in (DECODE_GRAPH_CAPTURE_TARGET, GRAPH_CAPTURE_TARGET) if module_available(target_module(t))]
+    cpu = [CPU_GRAPH_CAPTURE_TARGET] if module_available(target_module(CPU_GRAPH_CAPTURE_TARGET)) else []
+    return cuda[:1] + cpu
