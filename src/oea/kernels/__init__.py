@@ -3,11 +3,13 @@
 ``route_fast(router_logits, spec, cfg=None, valid=None)`` (also ``oea.route_fast``) has ``oea.route``'s
 signature and results and runs the fastest implementation that reproduces them (``dispatch.py``):
 
-* ``numba_cpu.py``: one compiled CPU call (numba, imported on first use);
+* ``numba_cpu.py``: one compiled CPU call (numba, imported on first use); the kernels in ``numba_kernels.py``,
+  compiled once and then loaded from numba's on-disk cache by every later process;
 * ``triton_gpu.py``: two Triton launches on CUDA (Triton's interpreter runs them on CPU for the tests);
 * ``oea.route`` itself for anything a kernel cannot reproduce exactly (``params.py`` says what is covered).
 
-Kernels import nothing of the project but ``oea.routing``; numba and Triton only inside functions.
+Kernels import nothing of the project but ``oea.routing``; numba and Triton only inside functions
+(``numba_kernels.py``, which imports numba at the top, is itself imported only on first use).
 """
 
 from oea.kernels.dispatch import (
