@@ -39,9 +39,9 @@ def _compile() -> Any | None:
         return None
     import numpy as np
 
-    from oea.kernels import numba_kernels
+    from oea.kernels.numba_kernels import route_bf16, route_scores
 
-    _NUMBA["kernels"] = (numba_kernels.route_scores, numba_kernels.route_bf16, np)
+    _NUMBA["kernels"] = (route_scores, route_bf16, np)
     return _NUMBA["kernels"]
 
 
