@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, metavar="FILE",
                         help="also write the results as a Markdown table (mutation, file, bug, result, killing test)")
     args = parser.parse_args(argv)
-    mutations = load_catalogue(args.catalogue)
+    try:
+        mutations = load_catalogue(args.catalogue)
+    except (ValueError, OSError) as err:  # tomllib.TOMLDecodeError is a ValueError
+        parser.error(str(err))
     if args.only:
         unknown = sorted(set(args.only) - {m.id for m in mutations})
         if unknown:
