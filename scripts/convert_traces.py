@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Convert the third-party routing traces under ``/work/shared/data`` into oea's bundled trace format.
+"""Convert the third-party routing traces (the raw public sets, not shipped) into oea's bundled trace format.
 
-    .venv/bin/python scripts/convert_traces.py [--data DIR] [--out DIR]
+    .venv/bin/python scripts/convert_traces.py --data DIR [--out DIR]
 
 Sources (attribution and licences travel in each trace's JSON sidecar and in ``SOURCES.md``):
 
@@ -33,7 +33,6 @@ from oea.routing import RouterSpec
 from oea.traces import Trace, save_trace
 from oea.traces.bundled import DATA_DIR
 
-DEFAULT_DATA = pathlib.Path("/work/shared/data")
 FLAME_POSITIONS = ("1st", "2nd", "3rd", "4th", "5th", "6th", "7th", "8th", "9th", "10th")
 FLAME_LAYERS = tuple(range(2, 10))
 
@@ -256,7 +255,8 @@ Each trace's `.json` sidecar repeats its source, licence and caveats.
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA, help="folder holding the raw sets")
+    parser.add_argument("--data", type=pathlib.Path, required=True,
+                        help="folder holding the raw sets (the upstream repositories named in SOURCES.md)")
     parser.add_argument("--out", type=pathlib.Path, default=DATA_DIR, help="where the bundled traces go")
     parser.add_argument("--skip-nvmoe", action="store_true",
                         help="do not convert the llama.cpp decode traces")
