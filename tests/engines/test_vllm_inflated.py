@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from vllm_env import free_port, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -40,11 +40,6 @@ NEW_TOKENS = 12
 HEALTH_TIMEOUT_S = 1200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _complete(port: int, prompt: str) -> list[str]:
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
@@ -57,7 +52,7 @@ def _complete(port: int, prompt: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
+    from oea.launch.vllm import start_server, stop_server, wait_healthy
     from oea.models import embedded_model_dir
     from oea.models.inflate import write_inflated
 
@@ -86,12 +81,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for wave in ([[name] for name in arms] if large else [list(arms)]):
             for name in wave:
                 model, extra = arms[name]
-                env = oea_env(None, None)
-                for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
-                    env.pop(var, None)
-                env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-                            "VLLM_CPU_OMP_THREADS_BIND": "nobind", **extra})
-                args = ["--model", str(model), "--served-model-name", "m", "--port", str(_free_port()), "--dtype",
+                env = server_env(extra)
+                args = ["--model", str(model), "--served-model-name", "m", "--port", str(free_port()), "--dtype",
                         "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0", "--enforce-eager"]
                 servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
                                              cwd=workdir)

@@ -28,7 +28,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_env import free_port
 
 import oea
 
@@ -53,11 +53,6 @@ SPEC = oea.RouterSpec(128, 8, "softmax", renormalize=True)  # the embedded model
 HEALTH_TIMEOUT_S = 1200
 WAVES = (("off", "k8"), ("k2",))  # started together within a wave; a wave stops before the next starts
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _complete(port: int, prompt: str, max_tokens: int) -> str:
@@ -113,7 +108,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 env = {**base, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "OEA_METRICS_FILE": str(work / f"{name}.jsonl"), **arms[name]}
                 args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port",
-                        str(_free_port()), "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
+                        str(free_port()), "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
                         "--seed", "0", "--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes",
                         str(128 * 2**20)]
                 servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log",

@@ -23,7 +23,6 @@ import concurrent.futures as cf
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_env import free_port, server_env
 
 import oea
 from oea.config import write_layer_k0_file
@@ -53,11 +53,6 @@ PROMPTS = [f"{head}\n{body}" for head in ("def load(path):", "class Cache:", "fo
            for body in ("    return", "    self.", "    if not ", "    # ")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _complete(port: int, prompt: str) -> int:
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0,
@@ -74,7 +69,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    from oea.launch.vllm import oea_env, start_server, stop_server, wait_healthy
+    from oea.launch.vllm import start_server, stop_server, wait_healthy
     from oea.models import embedded_model_dir
 
     if not VLLM_PYTHON.exists():
@@ -100,12 +95,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         for name, extra in arms.items():
-            env = oea_env(None, None)
-            for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
-                env.pop(var, None)
-            env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                        **extra})
-            port = _free_port()
+            env = server_env(extra)
+            port = free_port()
             args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port", str(port),
                     "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
             server = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log", cwd=work,

