@@ -49,6 +49,9 @@ from oea.routing import RouterSpec, route, router_scores
 QUEUE_STEPS = 64  # steps waiting for the writer before new ones are dropped
 CLOSE_TIMEOUT_S = 60.0
 CHECKPOINT_S = 1.0  # longest time the file goes without describing its written steps
+# The writer wakes at most this often and writes every step queued by then in one go: one wake-up per decode
+# step made the thread contend with the engine for the interpreter lock on every step.
+BATCH_WAIT_S = 0.05
 
 
 def trace_path_problem(path: str) -> str | None:
@@ -241,14 +244,29 @@ class TraceRecorder:
                 return
             if self._halted:
                 continue
+            steps = [step]
+            if step is not False:
+                time.sleep(BATCH_WAIT_S)
+                steps += self._drain()
             try:
-                if step is not False:
-                    self._write(step)
+                for queued in steps:
+                    if queued is None:
+                        return
+                    if queued is not False and not self._halted:
+                        self._write(queued)
                 if step is False or time.monotonic() - last_checkpoint >= CHECKPOINT_S:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
             except Exception as err:  # a full disk, a vanished folder: stop, keep what is written, serve on
                 self._stop(f"writing failed ({type(err).__name__}: {err})")
+
+    def _drain(self) -> list[_Step | None]:
+        """Every step queued now (a ``None`` among them ends the writer after the steps before it)."""
+        queued: list[_Step | None] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                queued.append(self._queue.get_nowait())
+        return queued
 
     def _checkpoint(self) -> None:
         """The file as a loadable trace of the steps written so far (nothing to do when none is new)."""
