@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 import torch
-from vllm_stand_ins import CPURouter, dense, fresh_state, install_vllm, scheduler_output
+from vllm_stand_ins import CPURouter, dense, fresh_dynamo, fresh_state, install_vllm, scheduler_output  # noqa: F401 (a fixture)
 
 import oea.integrations.vllm.layers as layers
 import oea.integrations.vllm.plugin as plugin_module
@@ -20,21 +20,6 @@ from oea.routing import EPOEAConfig, ExpertPlacement, LayerK0Schedule, OEAConfig
 torch.set_num_threads(1)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Dynamo caches the modules traced code imports (process-wide, ``symbolic_convert._import_module``): each
-    test's stand-in ``vllm.forward_context`` is a new module, so forget the cached one before and after."""
-    from torch._dynamo import symbolic_convert
-
-    def forget() -> None:
-        torch._dynamo.reset()
-        cached_import = getattr(symbolic_convert, "_import_module", None)
-        if hasattr(cached_import, "cache_clear"):
-            cached_import.cache_clear()
-
-    forget()
-    yield
-    forget()
 N, K, LAYERS = 64, 8, 3
 
 
@@ -113,8 +98,9 @@ def test_the_files_min_batch_applies_unless_oea_min_batch_is_set(monkeypatch: py
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_graph_wrapper_uses_the_layer_and_batch_size_k0(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path,
-                                                       compiled: bool, fresh_dynamo: None) -> None:
+                                                       compiled: bool) -> None:
     """GPU-side routers: the k0 follows the call's (static) row count, as for one captured graph per size."""
     batch_k0 = ((4, (8, 1, 8)), (64, (2, 1, 5)))
     state = _state(monkeypatch, {"OEA_K0": "3", "OEA_LAYER_K0_FILE": _file(tmp_path, (8, 1, 8), batch_k0)})

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from vllm_stand_ins import CPURouter, fresh_state, install_vllm, scheduler_output
+from vllm_stand_ins import CPURouter, fresh_dynamo, fresh_state, install_vllm, scheduler_output  # noqa: F401 (a fixture)
 
 import oea
 import oea.integrations.vllm.plugin as plugin_module
@@ -24,21 +24,6 @@ from oea.traces import load_trace
 torch.set_num_threads(1)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Dynamo caches the modules traced code imports (process-wide, ``symbolic_convert._import_module``): each
-    test's stand-in ``vllm.forward_context`` is a new module, so forget the cached one before and after."""
-    from torch._dynamo import symbolic_convert
-
-    def forget() -> None:
-        torch._dynamo.reset()
-        cached_import = getattr(symbolic_convert, "_import_module", None)
-        if hasattr(cached_import, "cache_clear"):
-            cached_import.cache_clear()
-
-    forget()
-    yield
-    forget()
 N, K = 64, 8
 
 
@@ -136,8 +121,9 @@ def test_sampling_records_only_the_chosen_steps(monkeypatch: pytest.MonkeyPatch,
     assert all(trace.positions[trace.step_ids == s].tolist() == [s - 1, s - 1] for s in recorded)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_graph_wrapper_stages_every_call_and_records_sampled_decode_steps(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, fresh_dynamo: None) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     """The GPU-side wrapper traced as for CUDA graphs (observe mode): the staging copy is part of the graph."""
     state, _ = _start(monkeypatch, tmp_path, {}, routers=1)
     router = state.routers[0]

@@ -47,6 +47,22 @@ class ForwardContext:
     is_padding: torch.Tensor | None = None
     available: bool = True
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo caches the modules traced code imports (process-wide, ``symbolic_convert._import_module``): each
+    test's stand-in ``vllm.forward_context`` is a new module, so forget the cached one before and after."""
+    from torch._dynamo import symbolic_convert
+
+    def forget() -> None:
+        torch._dynamo.reset()
+        cached_import = getattr(symbolic_convert, "_import_module", None)
+        if hasattr(cached_import, "cache_clear"):
+            cached_import.cache_clear()
+
+    forget()
+    yield
+    forget()
+
 
 def install_vllm(monkeypatch: pytest.MonkeyPatch) -> ForwardContext:
     """Put stand-in ``vllm.forward_context`` and ``BaseRouter`` modules in ``sys.modules``."""
