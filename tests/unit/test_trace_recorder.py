@@ -161,29 +161,116 @@ def test_the_size_cap_stops_recording_once_with_a_valid_trace(tmp_path: pathlib.
     assert "OEA_TRACE_MAX_MB" in trace.meta["stopped"]
 
 
+def _written(rec: TraceRecorder, steps: int) -> None:
+    """Wait until the writer has written ``steps`` steps or stopped."""
+    deadline = time.monotonic() + 10
+    while rec.steps < steps and rec.stopped is None:
+        assert time.monotonic() < deadline, f"the writer wrote {rec.steps} of {steps} steps in 10 s"
+        time.sleep(0.005)
+
+
 def test_a_full_disk_stops_recording_once_and_keeps_the_whole_steps(tmp_path: pathlib.Path,
                                                                    monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     original = TraceFileWriter.append
     calls = {"n": 0}
 
-    def append(self, rows):  # the third step's write finds the disk full
+    def append(self, rows):  # the third write finds the disk full
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(self, rows)
 
     monkeypatch.setattr(TraceFileWriter, "append", append)
+    monkeypatch.setattr(recorder_module, "BATCH_WAIT_S", 0.001)
     rec = _recorder(tmp_path)
     with caplog.at_level(logging.WARNING, logger="test.recorder"):
-        for s in range(5):
+        for s in range(5):  # one step per write: each is written before the next is submitted
             _step(rec, s, _logits(4, s), ["a", "b", "c", "d"], [s] * 4)
+            _written(rec, s + 1)
         path = rec.close()
     warnings = [r.getMessage() for r in caplog.records if "stops" in r.getMessage()]
     assert len(warnings) == 1 and "No space left on device" in warnings[0]
     trace = load_trace(str(path))
     assert trace.step_ids.tolist() == [0] * 4 + [1] * 4
     assert "No space left" in trace.meta["stopped"]
+
+
+def test_steps_queued_together_are_written_in_one_go_in_order(tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer wakes rarely and appends every queued step with one write per tensor (each wake-up and
+    write competes with the engine for the interpreter lock)."""
+    appended: list[int] = []
+    original = TraceFileWriter.append
+
+    def counting_append(self, rows):
+        appended.append(int(rows["step_ids"].shape[0]))
+        return original(self, rows)
+
+    monkeypatch.setattr(TraceFileWriter, "append", counting_append)
+    monkeypatch.setattr(recorder_module, "BATCH_WAIT_S", 60.0)
+    rec = _recorder(tmp_path)
+    logits = {s: _logits(3, s) for s in range(10)}
+    for s, x in logits.items():
+        _step(rec, s, x, [f"r{s}", "a", "b"], [s, 1, 2])
+    path = rec.close()  # wakes the writer at once
+    assert appended == [30]
+    trace = load_trace(str(path))
+    assert trace.step_ids.tolist() == [s for s in range(10) for _ in range(3)]
+    torch.testing.assert_close(trace.logits, torch.cat(list(logits.values())).float(), rtol=0, atol=0)
+    names = trace.meta["request_names"]
+    assert [names[i] for i in trace.request_ids.tolist()] == [r for s in range(10) for r in (f"r{s}", "a", "b")]
+
+
+def test_a_half_full_queue_wakes_the_writer_before_its_wait_is_over(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "BATCH_WAIT_S", 60.0)
+    monkeypatch.setattr(recorder_module, "QUEUE_STEPS", 8)
+    rec = _recorder(tmp_path)
+    for s in range(6):
+        _step(rec, s, _logits(2, s), ["a", "b"], [s, s])
+    _written(rec, 4)  # within 10 s, not 60
+    assert rec.dropped == 0
+    rec.close()
+
+
+def test_the_queue_is_bounded_by_the_staged_bytes_of_a_large_model(tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "QUEUE_BYTES", 5 * L * 8 * N * 4)  # five steps of 8 rows
+    rec = _recorder(tmp_path)
+    _step(rec, 0, _logits(1, 0), ["a"], [0])
+    assert rec.queue_steps == 5
+    rec.close()
+    monkeypatch.setattr(recorder_module, "QUEUE_BYTES", 1)
+    tiny = _recorder(tmp_path)
+    _step(tiny, 0, _logits(1, 0), ["a"], [0])
+    assert tiny.queue_steps == 2, "at least two steps, however large"
+    tiny.close()
+
+
+def test_a_slow_checkpoint_is_repeated_less_often(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long run's sidecar (every request's name) grows; checkpoints then take at most about 1% of the time."""
+    monkeypatch.setattr(recorder_module, "BATCH_WAIT_S", 0.001)
+    monkeypatch.setattr(recorder_module, "CHECKPOINT_S", 0.1)  # 10 in 1.5 s if they took no time
+    checkpoints: list[float] = []
+    original = TraceRecorder._checkpoint
+
+    def slow_checkpoint(self):
+        if self._writer is not None and self._writer.tokens > self._writer.checkpointed:
+            checkpoints.append(time.monotonic())
+            time.sleep(0.05)  # the next one no sooner than 5 s later
+        return original(self)
+
+    monkeypatch.setattr(TraceRecorder, "_checkpoint", slow_checkpoint)
+    rec = _recorder(tmp_path)
+    started = time.monotonic()
+    s = 0
+    while time.monotonic() - started < 1.5:
+        _step(rec, s, _logits(1, s), ["a"], [s])
+        s += 1
+        time.sleep(0.002)
+    rec.close()
+    assert len(checkpoints) == 1, f"{len(checkpoints)} checkpoints in 1.5 s"
 
 
 @pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
@@ -200,24 +287,29 @@ def test_an_unwritable_path_is_a_warning_and_no_recorder(tmp_path: pathlib.Path,
 
 def test_a_writer_that_falls_behind_drops_steps_without_blocking(tmp_path: pathlib.Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    release = threading.Event()
+    writing, release = threading.Event(), threading.Event()
     original = TraceFileWriter.append
 
     def slow_append(self, rows):
+        writing.set()
         release.wait(30)
         return original(self, rows)
 
     monkeypatch.setattr(TraceFileWriter, "append", slow_append)
+    monkeypatch.setattr(recorder_module, "BATCH_WAIT_S", 0.001)
+    monkeypatch.setattr(recorder_module, "QUEUE_STEPS", 50)
     rec = _recorder(tmp_path)
+    _step(rec, 0, _logits(2, 0), ["a", "b"], [0, 0])
+    assert writing.wait(10), "the writer took the first step"
     started = time.monotonic()
-    for s in range(recorder_module.QUEUE_STEPS + 10):
+    for s in range(1, 50 + 11):
         _step(rec, s, _logits(2, s), ["a", "b"], [s, s])
     assert time.monotonic() - started < 10, "submitting steps must not wait for the writer"
-    assert rec.dropped >= 9
+    assert rec.dropped == 10
     release.set()
     trace = load_trace(str(rec.close()))
-    assert trace.meta["steps_dropped"] == rec.dropped
-    assert trace.meta["steps_recorded"] + rec.dropped == recorder_module.QUEUE_STEPS + 10
+    assert trace.meta["steps_dropped"] == 10 and trace.meta["steps_recorded"] == 51
+    assert trace.step_ids.unique().tolist() == list(range(51))
 
 
 def test_no_recorded_step_writes_no_file(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -11,9 +11,10 @@ What runs where:
 * after the step, the adapter calls ``TraceRecorder.submit_step`` with the step id, the number of real
   rows and their request ids and positions: on CUDA the buffer's rows are copied asynchronously to
   pinned host memory and an event marks their arrival, on CPU they are copied at once; the step then goes
-  into a bounded queue (``put_nowait``: a full queue drops the step, counted and warned once, never
+  into a queue bounded in steps and bytes (a full queue drops the step, counted and warned once, never
   blocking the engine);
-* a background thread waits for each step's event, appends its rows to the file (``trace_file``) and,
+* a background thread wakes every ``BATCH_WAIT_S`` (or once the queue is half full), waits for the queued
+  steps' events, appends their rows to the file in one write per tensor (``trace_file``) and,
   when the size cap would be passed or the disk refuses a write, stops recording with one warning and
   finishes the file; ``close`` (at process exit, or by the adapter) finishes it otherwise. At most every
   ``CHECKPOINT_S`` seconds, and once the engine goes idle, the thread checkpoints the file (a loadable trace
@@ -46,12 +47,13 @@ from oea.config import TraceSettings
 from oea.integrations.trace_file import Column, TraceFileWriter
 from oea.routing import RouterSpec, route, router_scores
 
-QUEUE_STEPS = 64  # steps waiting for the writer before new ones are dropped
+QUEUE_STEPS = 1024  # most steps waiting for the writer before new ones are dropped ...
+QUEUE_BYTES = 256 * 2**20  # ... and at most this much host memory of staged logits (a large model's steps)
 CLOSE_TIMEOUT_S = 60.0
 CHECKPOINT_S = 1.0  # longest time the file goes without describing its written steps
-# The writer wakes at most this often and writes every step queued by then in one go: one wake-up per decode
-# step made the thread contend with the engine for the interpreter lock on every step.
-BATCH_WAIT_S = 0.05
+# The writer wakes at most this often (or once half its queue is full) and writes every step queued by then
+# in one go: each wake-up and each write contend with the engine for the interpreter lock, so they are few.
+BATCH_WAIT_S = 0.5
 
 
 def trace_path_problem(path: str) -> str | None:
@@ -101,8 +103,10 @@ class StepStaging:
 
     def stage(self, layer: int, router_logits: torch.Tensor) -> None:
         """Copy [M, N] logits into layer ``layer``'s buffer (graph-safe: fixed addresses, no host sync)."""
-        rows = min(int(router_logits.shape[0]), self.capacity)
-        self.layers[layer][:rows].copy_(router_logits[:rows])
+        rows = int(router_logits.shape[0])
+        if rows > self.capacity:
+            router_logits, rows = router_logits[: self.capacity], self.capacity
+        self.layers[layer][:rows].copy_(router_logits)
         self.source_dtype = router_logits.dtype
 
     def collect(self, rows: int) -> tuple[torch.Tensor, Any]:
@@ -159,7 +163,9 @@ class TraceRecorder:
         self._layers = 0
         self._dtype = torch.float32
         self._random = random.Random(0)
-        self._queue: queue.Queue[_Step | None] = queue.Queue(maxsize=QUEUE_STEPS)
+        self.queue_steps = 0  # the queue's bound, set by the first step (SGLang's layers are known only then)
+        self._queue: queue.Queue[_Step | None] = queue.Queue()
+        self._wake = threading.Event()  # half the queue is full: write now rather than at BATCH_WAIT_S
         self._request_numbers: dict[Any, int] = {}
         self._lock = threading.Lock()
         self.steps = self.dropped = 0
@@ -212,10 +218,16 @@ class TraceRecorder:
             self._warn_once("rows", f"oea: a decode step of {rows} rows with {len(requests)} request ids does not fit "
                                     f"the recording (at most {self.staging.capacity} rows); such steps are skipped")
             return
-        logits, ready = self.staging.collect(rows)
-        try:
-            self._queue.put_nowait(_Step(step_id, logits, list(requests), [int(p) for p in positions], ready))
-        except queue.Full:
+        if not self.queue_steps:
+            step_bytes = max(1, len(self.staging.layers)) * self.staging.capacity * self.staging.num_experts * 4
+            self.queue_steps = max(2, min(QUEUE_STEPS, QUEUE_BYTES // step_bytes))
+        waiting = self._queue.qsize()
+        if waiting * 2 >= self.queue_steps:
+            self._wake.set()
+        if waiting < self.queue_steps:
+            logits, ready = self.staging.collect(rows)
+            self._queue.put_nowait(_Step(step_id, logits, list(requests), list(positions), ready))
+        else:
             self.dropped += 1
             self._warn_once("full", "oea: the trace writer falls behind the engine; steps are dropped (counted in "
                                     "the sidecar's steps_dropped) rather than slowing the step")
@@ -226,15 +238,15 @@ class TraceRecorder:
             if self.stopped is None:
                 self.stopped = "the engine stopped"
         if self._thread.is_alive():
-            with contextlib.suppress(queue.Full):
-                self._queue.put(None, timeout=CLOSE_TIMEOUT_S)
+            self._queue.put(None)
+            self._wake.set()
             self._thread.join(CLOSE_TIMEOUT_S)
         return self._finish()
 
     # ----------------------------------------------------------------- the writer thread
 
     def _run(self) -> None:
-        last_checkpoint = time.monotonic()
+        last_checkpoint, checkpoint_every = time.monotonic(), CHECKPOINT_S
         while True:
             try:
                 step = self._queue.get(timeout=CHECKPOINT_S)
@@ -246,17 +258,20 @@ class TraceRecorder:
                 continue
             steps = [step]
             if step is not False:
-                time.sleep(BATCH_WAIT_S)
+                self._wake.wait(BATCH_WAIT_S)
+                self._wake.clear()
                 steps += self._drain()
+            ended = None in steps
             try:
-                for queued in steps:
-                    if queued is None:
-                        return
-                    if queued is not False and not self._halted:
-                        self._write(queued)
-                if step is False or time.monotonic() - last_checkpoint >= CHECKPOINT_S:
+                self._write([queued for queued in steps[: steps.index(None) if ended else len(steps)] if queued])
+                if ended:
+                    return
+                if step is False or time.monotonic() - last_checkpoint >= checkpoint_every:
+                    started = time.monotonic()
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
+                    # a long run's sidecar (every request's name) grows: checkpoint at most 1% of the time
+                    checkpoint_every = max(CHECKPOINT_S, 100 * (last_checkpoint - started))
             except Exception as err:  # a full disk, a vanished folder: stop, keep what is written, serve on
                 self._stop(f"writing failed ({type(err).__name__}: {err})")
 
@@ -277,31 +292,42 @@ class TraceRecorder:
             writer.checkpoint(self._sidecar_meta("interrupted: the process ended before finishing the file; the "
                                                  "trace holds the steps up to its last checkpoint"), self.spec)
 
-    def _write(self, step: _Step) -> None:
-        if step.ready is not None:
-            step.ready.synchronize()
+    def _write(self, steps: list[_Step]) -> None:
+        """Append the rows of ``steps`` (in order) to the file with one write per column; the steps past the
+        size cap are not written and recording stops."""
+        if not steps or self._halted:
+            return
+        for step in steps:
+            if step.ready is not None:
+                step.ready.synchronize()
         if self._writer is None:
-            self._writer = self._open_writer(int(step.logits.shape[0]))
+            self._writer = self._open_writer(int(steps[0].logits.shape[0]))
         writer = self._writer
-        if step.logits.shape[0] != self._layers:
-            self._warn_once("layers", f"oea: a step routed {step.logits.shape[0]} recorded layers, the trace has "
+        if any(step.logits.shape[0] != self._layers for step in steps):
+            self._warn_once("layers", f"oea: a step routed a number of recorded layers other than the trace's "
                                       f"{self._layers}; such steps are skipped")
-            return
-        rows = len(step.requests)
-        if not writer.fits(rows):
+            steps = [step for step in steps if step.logits.shape[0] == self._layers]
+        fitting, rows = 0, 0
+        while fitting < len(steps) and writer.fits(rows + len(steps[fitting].requests)):
+            rows += len(steps[fitting].requests)
+            fitting += 1
+        if fitting:
+            written = steps[:fitting]
+            logits = torch.cat([step.logits for step in written], 1).transpose(0, 1)  # [rows, L, N]
+            numbers = [self._request_numbers.setdefault(r, len(self._request_numbers))
+                       for step in written for r in step.requests]
+            data = {"request_ids": torch.tensor(numbers, dtype=torch.int32),
+                    "positions": torch.tensor([p for step in written for p in step.positions], dtype=torch.int32),
+                    "step_ids": torch.tensor([step.step_id for step in written for _ in step.requests],
+                                             dtype=torch.int32)}
+            if self.settings.content == "topk":
+                data.update(self._top_k(logits))
+            else:
+                data["logits"] = logits.to(self._dtype).contiguous()
+            writer.append(data)
+            self.steps += fitting
+        if fitting < len(steps):
             self._stop(f"the size cap OEA_TRACE_MAX_MB={self.settings.max_bytes / 2**20:g} was reached")
-            return
-        logits = step.logits.transpose(0, 1)  # [M, L, N]
-        numbers = [self._request_numbers.setdefault(r, len(self._request_numbers)) for r in step.requests]
-        data = {"request_ids": torch.tensor(numbers, dtype=torch.int32),
-                "positions": torch.tensor(step.positions, dtype=torch.int32),
-                "step_ids": torch.full((rows,), step.step_id, dtype=torch.int32)}
-        if self.settings.content == "topk":
-            data.update(self._top_k(logits))
-        else:
-            data["logits"] = logits.to(self._dtype).contiguous()
-        writer.append(data)
-        self.steps += 1
 
     def _top_k(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """[M, L, N] logits -> the router's own top-k ``ids`` and their probabilities ``scores`` ([M, L, k])."""
