@@ -166,3 +166,20 @@ def test_register_reads_the_trace_variables(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("OEA_TRACE_SAMPLE", "2")
     with pytest.raises(ValueError, match=r"OEA_TRACE_SAMPLE must be a number in \(0, 1\]"):
         plugin_module.register()
+
+
+@pytest.mark.parametrize("tokens, positions", [
+    ([1, 1, 1], [10, 4, 7]),  # one token each: read straight from the persistent batch
+    ([3, 1, 2], [10, 11, 12, 4, 7, 8]),  # verified draft tokens: one row per token, positions counting up
+])
+def test_rows_follow_the_persistent_batch_with_one_row_per_scheduled_token(monkeypatch: pytest.MonkeyPatch,
+                                                                           tokens: list[int],
+                                                                           positions: list[int]) -> None:
+    state = fresh_state(monkeypatch, {})
+    state.model_runner = _model_runner(["b", "a", "c"], [10, 4, 7])
+    output = SimpleNamespace(num_scheduled_tokens=dict(zip(["a", "b", "c"], [tokens[1], tokens[0], tokens[2]],
+                                                           strict=True)),
+                             total_num_scheduled_tokens=sum(tokens))
+    requests, rows = recording._rows_of(output)
+    assert requests == [r for r, n in zip(["b", "a", "c"], tokens, strict=True) for _ in range(n)]
+    assert rows == positions and all(type(p) is int for p in rows)

@@ -169,6 +169,7 @@ class TraceRecorder:
         self._request_numbers: dict[Any, int] = {}
         self._lock = threading.Lock()
         self.steps = self.dropped = 0
+        self.writer_cpu_s = 0.0  # CPU time of the writer thread so far (the recording's cost off the engine)
         self.stopped: str | None = None  # why recording stopped (no step is sampled after it is set)
         self._halted = False  # the writer stopped early (size cap, write error): queued steps are not written
         self._warned: set[str] = set()
@@ -246,6 +247,12 @@ class TraceRecorder:
     # ----------------------------------------------------------------- the writer thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.writer_cpu_s = time.thread_time()
+
+    def _loop(self) -> None:
         last_checkpoint, checkpoint_every = time.monotonic(), CHECKPOINT_S
         while True:
             try:
@@ -266,6 +273,7 @@ class TraceRecorder:
                 self._write([queued for queued in steps[: steps.index(None) if ended else len(steps)] if queued])
                 if ended:
                     return
+                self.writer_cpu_s = time.thread_time()
                 if step is False or time.monotonic() - last_checkpoint >= checkpoint_every:
                     started = time.monotonic()
                     self._checkpoint()
@@ -374,6 +382,7 @@ class TraceRecorder:
 
     def _sidecar_meta(self, stopped: str) -> dict[str, Any]:
         return {**self.meta, "steps_recorded": self.steps, "steps_dropped": self.dropped, "stopped": stopped,
+                "writer_cpu_s": round(self.writer_cpu_s, 4),
                 "sample": self.settings.sample, "request_names": [str(r) for r in self._request_numbers],
                 "recorded": self._recorded()}
 

@@ -102,6 +102,9 @@ def _rows_of(scheduler_output: Any) -> tuple[list[str], list[int]]:
     batch = STATE.model_runner.input_batch  # type: ignore[union-attr]
     scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
     computed = batch.num_computed_tokens_cpu
+    rows = batch.num_reqs
+    if len(scheduled) == rows and getattr(scheduler_output, "total_num_scheduled_tokens", 0) == rows:
+        return list(batch.req_ids[:rows]), computed[:rows].tolist()  # one token each: no per-row Python
     requests: list[str] = []
     positions: list[int] = []
     for index, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
