@@ -236,7 +236,11 @@ def test_plot_and_summary(tmp_path) -> None:
     summary = serve.summarize(rows)
     first = next(s for s in summary if s["arm"] == "off" and s["max_concurrency"] == 4)
     assert first["output_throughput_median"] == pytest.approx(400.5) and first["rounds"] == 2
-    png = serve.plot(rows, tmp_path / "ab.png", title="t")
+    from oea.bench.serve_summary import ab_summary, plot_ab
+
+    single = ab_summary([dict(r, round=i) for i, r in enumerate(rows) if r["arm"] == "off"])
+    assert all("median_tpot_ms_ratio" not in e and len(e["output_throughput_ci"]) == 2 for e in single)
+    png = plot_ab(single, tmp_path / "ab.png", title="t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

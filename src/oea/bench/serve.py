@@ -35,7 +35,6 @@ from oea.bench.serve_prompts import Prompt, make_prompts
 from oea.bench.serve_prompts import heldout_texts as heldout_texts
 from oea.bench.serve_prompts import random_prompts as random_prompts
 from oea.bench.serve_prompts import text_prompts as text_prompts
-from oea.bench.serve_summary import plot as plot
 from oea.bench.serve_summary import summarize as summarize
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from oea.bench.serve import Arm, BenchConfig, append_jsonl, load_rows, run_benchmark
-from oea.bench.serve_summary import plot, summarize
+from oea.bench.serve_summary import summarize
 
 
 def parse_arms(args: argparse.Namespace) -> list[Arm]:
@@ -238,15 +238,6 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], vll
                 stop_server(server)
 
 
-def _print_table(summary: list[dict[str, Any]]) -> None:
-    print(f"{'arm':>12} {'conc':>5} {'rounds':>6} {'out tok/s (min..max)':>28} {'mean TPOT ms (min..max)':>28}")
-    for s in summary:
-        print(f"{s['arm']:>12} {s['max_concurrency']:>5} {s['rounds']:>6} "
-              f"{s['output_throughput_median']:>10.1f} "
-              f"({s['output_throughput_min']:.1f}..{s['output_throughput_max']:.1f})"
-              f" {s['mean_tpot_ms_median']:>10.2f} ({s['mean_tpot_ms_min']:.2f}..{s['mean_tpot_ms_max']:.2f})")
-
-
 def summarized_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--summarize FILE``: the rows of an earlier ``--output-file``, to summarise without running anything."""
     if (args.serve_arm or args.base_url or args.base_url_a or args.arm or args.output_file
@@ -301,20 +292,14 @@ def main(args: argparse.Namespace) -> int:
 
     summary = summarize(rows)
     ab = ab_summary(rows, baseline=args.baseline_arm, seed=cfg.seed)
-    several = len({r["arm"] for r in rows}) > 1
     if args.plot:
         size = (f"in={cfg.text_input_chars} chars" if cfg.dataset == "text" else f"in={cfg.random_input_len}")
         title = f"{cfg.dataset} {size} out={cfg.random_output_len} tokens"
         if args.summarize:
             title = Path(args.summarize).name
-        if several:
-            plot_ab(ab, args.plot, title=title)
-        else:
-            plot(rows, args.plot, title=title)
+        plot_ab(ab, args.plot, title=title)
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary, "ab": ab}, indent=1))
-    elif several:
-        print_ab_table(ab)
     else:
-        _print_table(summary)
+        print_ab_table(ab)
     return 0

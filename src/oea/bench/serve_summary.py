@@ -90,8 +90,9 @@ def print_ab_table(summary: Sequence[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    several = len({e["arm"] for e in summary}) > 1
     table = Table(title=f"serving A/B (medians over rounds, 95% CI; ratios vs '{summary[0]['baseline']}', paired by "
-                        "round)" if summary else "serving A/B")
+                        "round)" if several else "serving (medians over rounds, 95% CI)")
     for column in ("c", "arm", "rounds", "median TPOT ms", "TPOT ratio", "median ITL ms", "out tok/s",
                    "tok/s ratio", "active experts", "routing µs/call", "step ms", "routing share/step"):
         table.add_column(column, justify="right")
@@ -118,16 +119,17 @@ def print_ab_table(summary: Sequence[dict[str, Any]]) -> None:
 
 
 def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """PNG, three panels against max concurrency, one line per arm: median TPOT, output tok/s (medians over
-    rounds, bars: 95% CI) and TPOT / baseline TPOT (bars: paired 95% CI)."""
+    """PNG, panels against max concurrency, one line per arm: median TPOT, output tok/s (medians over rounds,
+    bars: 95% CI) and, with more than one arm, TPOT / baseline TPOT (bars: paired 95% CI)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("median_tpot_ms", "median TPOT (ms)"), ("output_throughput", "output throughput (tok/s)"),
-              ("median_tpot_ms_ratio", "TPOT / baseline TPOT"))
+    panels = [("median_tpot_ms", "median TPOT (ms)"), ("output_throughput", "output throughput (tok/s)")]
+    if any("median_tpot_ms_ratio" in e for e in summary):  # a single arm has no ratio panel
+        panels.append(("median_tpot_ms_ratio", "TPOT / baseline TPOT"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     for index, arm in enumerate(dict.fromkeys(e["arm"] for e in summary)):  # one colour per arm in every panel
         for ax, (key, _label) in zip(axes, panels, strict=True):
             points = [e for e in summary if e["arm"] == arm and key in e]
@@ -145,7 +147,8 @@ def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = ""
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    axes[2].axhline(1.0, color="grey", lw=0.8)
+    if len(panels) == 3:
+        axes[2].axhline(1.0, color="grey", lw=0.8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -177,36 +180,3 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "mean_ttft_ms_median": statistics.median(float(g["mean_ttft_ms"]) for g in group),
         })
     return out
-
-
-def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """PNG with two panels: mean TPOT (ms) and output tok/s vs max concurrency, one line per arm
-    (median over rounds, bars from min to max)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = summarize(rows)
-    fig, (ax_tpot, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm in dict.fromkeys(s["arm"] for s in summary):
-        pts = [s for s in summary if s["arm"] == arm]
-        conc = [s["max_concurrency"] for s in pts]
-        for ax, key in ((ax_tpot, "mean_tpot_ms"), (ax_tput, "output_throughput")):
-            med = np.array([s[f"{key}_median"] for s in pts])
-            err = np.array([[m - s[f"{key}_min"] for m, s in zip(med, pts, strict=True)],
-                            [s[f"{key}_max"] - m for m, s in zip(med, pts, strict=True)]])
-            ax.errorbar(conc, med, yerr=err, marker="o", capsize=3, label=arm)
-    for ax, label in ((ax_tpot, "mean TPOT (ms)"), (ax_tput, "output throughput (tok/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
