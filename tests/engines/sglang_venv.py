@@ -47,6 +47,20 @@ def run_checks(mode: str, extra_env: dict[str, str] | None = None) -> tuple[int,
                     f"stderr: {proc.stderr[-4000:]}")
 
 
+def passed_checks(mode: str) -> dict[str, Any]:
+    """The report of ``run_checks(mode)``, failing the test when the checks script did not exit 0."""
+    code, report = run_checks(mode)
+    assert code == 0, report
+    return report
+
+
+def check(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """The check called ``name`` in a checks script's report (a test failure naming the ones that ran if absent)."""
+    found = [c for c in report["checks"] if c["name"] == name]
+    assert found, f"check {name!r} did not run; ran: {[c['name'] for c in report['checks']]}"
+    return found[0]
+
+
 def run_script_json(script: Path, args: list[str], extra_env: dict[str, str] | None = None
                     ) -> tuple[subprocess.CompletedProcess[str], Any]:
     """Another check script of tests/engines in .venv-sglang -> (the process, its parsed stdout JSON or None)."""

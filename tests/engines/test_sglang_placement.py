@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_venv import run_script_json
+from sglang_venv import check, run_script_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -21,41 +21,35 @@ def report() -> dict[str, Any]:
     return out
 
 
-def _check(report: dict[str, Any], name: str) -> dict[str, Any]:
-    found = [c for c in report["checks"] if c["name"] == name]
-    assert found, f"check {name!r} did not run; ran: {[c['name'] for c in report['checks']]}"
-    return found[0]
-
-
 @pytest.mark.parametrize("layer", [0, 1])
 def test_glm5_ep8_decode_routes_with_sglangs_placement(report: dict[str, Any], layer: int) -> None:
     """Layer 0: the trivial layout with 8 redundant slots (static dispatch of rank 0); layer 1: a permutation."""
     for name in ("decode_equals_ep_route", "placement_read", "busiest_not_raised", "extend_untouched"):
-        assert _check(report, f"{name}:layer{layer}")["ok"], _check(report, f"{name}:layer{layer}")
+        assert check(report, f"{name}:layer{layer}")["ok"], check(report, f"{name}:layer{layer}")
     figures = report["figures"][f"glm5_layer{layer}"]
     assert figures["ep"] == figures["plain"] and figures["T_ep"] > figures["T_plain"], figures
-    assert "256 experts on 8 EP devices" in _check(report, f"placement_read:layer{layer}")["detail"]
+    assert "256 experts on 8 EP devices" in check(report, f"placement_read:layer{layer}")["detail"]
 
 
 def test_a_map_missing_experts_keeps_plain_oea_and_names_them(report: dict[str, Any]) -> None:
-    assert _check(report, "missing_experts_plain_oea")["ok"]
-    warned = _check(report, "missing_experts_warned")
+    assert check(report, "missing_experts_plain_oea")["ok"]
+    warned = check(report, "missing_experts_warned")
     assert warned["ok"] and "missing experts [9, 13]" in warned["detail"], warned
 
 
 def test_rebalance_updates_the_placement_in_place(report: dict[str, Any]) -> None:
-    assert _check(report, "rebalance_refreshes_in_place")["ok"]
-    assert _check(report, "decode_after_rebalance")["ok"]
+    assert check(report, "rebalance_refreshes_in_place")["ok"]
+    assert check(report, "decode_after_rebalance")["ok"]
 
 
 def test_tp8_without_expert_parallelism_warns_and_keeps_plain_oea(report: dict[str, Any]) -> None:
-    assert _check(report, "tp8_without_ep_plain_oea")["ok"]
-    assert _check(report, "tp8_without_ep_warned")["ok"]
+    assert check(report, "tp8_without_ep_plain_oea")["ok"]
+    assert check(report, "tp8_without_ep_warned")["ok"]
 
 
 def test_dp_attention_ranks_routing_their_own_rows_keep_plain_oea(report: dict[str, Any]) -> None:
-    assert _check(report, "dp_attention_a2a_plain_oea")["ok"]
-    assert _check(report, "dp_attention_a2a_warned")["ok"], _check(report, "dp_attention_a2a_warned")
+    assert check(report, "dp_attention_a2a_plain_oea")["ok"]
+    assert check(report, "dp_attention_a2a_warned")["ok"], check(report, "dp_attention_a2a_warned")
 
 
 def test_busiest_device_at_ep8_equals_the_simulator(report: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sglang_venv import run_checks
+from sglang_venv import check, passed_checks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -21,22 +21,12 @@ STANDARD_CASES = tuple(c for c in CASES if c != "glm5_fused_shared_slot")
 
 @pytest.fixture(scope="module")
 def routing() -> dict[str, Any]:
-    code, report = run_checks("routing")
-    assert code == 0, report
-    return report
+    return passed_checks("routing")
 
 
 @pytest.fixture(scope="module")
 def fallbacks() -> dict[str, Any]:
-    code, report = run_checks("fallbacks")
-    assert code == 0, report
-    return report
-
-
-def _check(report: dict[str, Any], name: str) -> dict[str, Any]:
-    found = [c for c in report["checks"] if c["name"] == name]
-    assert found, f"check {name!r} did not run; ran: {[c['name'] for c in report['checks']]}"
-    return found[0]
+    return passed_checks("fallbacks")
 
 
 def test_every_check_passes(routing: dict[str, Any]) -> None:
@@ -46,59 +36,59 @@ def test_every_check_passes(routing: dict[str, Any]) -> None:
 
 
 def test_sglang_runs_on_its_real_import_chain(routing: dict[str, Any]) -> None:
-    assert _check(routing, "real_import_chain")["ok"], _check(routing, "real_import_chain")
+    assert check(routing, "real_import_chain")["ok"], check(routing, "real_import_chain")
 
 
 def test_oea_off_leaves_sglang_identical(routing: dict[str, Any]) -> None:
-    assert _check(routing, "off_no_hooks")["ok"]
+    assert check(routing, "off_no_hooks")["ok"]
     for case in STANDARD_CASES:
-        assert _check(routing, f"off_identical:{case}")["ok"], case
+        assert check(routing, f"off_identical:{case}")["ok"], case
 
 
 def test_spec_translation_matches_sglang_vanilla(routing: dict[str, Any]) -> None:
     for case in STANDARD_CASES:
-        assert _check(routing, f"vanilla_matches_oea:{case}")["ok"], case
+        assert check(routing, f"vanilla_matches_oea:{case}")["ok"], case
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_equals_oea_route(routing: dict[str, Any], case: str) -> None:
-    assert _check(routing, "on_hooks_installed")["ok"]
-    assert _check(routing, f"decode_equals_oea_route:{case}")["ok"]
-    assert _check(routing, f"decode_dtypes:{case}")["ok"]
-    assert _check(routing, f"extend_untouched:{case}")["ok"]
+    assert check(routing, "on_hooks_installed")["ok"]
+    assert check(routing, f"decode_equals_oea_route:{case}")["ok"]
+    assert check(routing, f"decode_dtypes:{case}")["ok"]
+    assert check(routing, f"extend_untouched:{case}")["ok"]
     figures = routing["figures"][case]
     assert figures["T_oea"] < figures["T_vanilla"], figures
 
 
 def test_no_forward_context_and_single_row_untouched(routing: dict[str, Any]) -> None:
     for case in STANDARD_CASES:
-        assert _check(routing, f"no_forward_context_untouched:{case}")["ok"], case
-    assert _check(routing, "min_batch_single_row_untouched")["ok"]
+        assert check(routing, f"no_forward_context_untouched:{case}")["ok"], case
+    assert check(routing, "min_batch_single_row_untouched")["ok"]
 
 
 def test_shared_expert_slot_untouched(routing: dict[str, Any]) -> None:
-    assert _check(routing, "shared_slot_untouched")["ok"]
+    assert check(routing, "shared_slot_untouched")["ok"]
 
 
 def test_padding_rows_excluded_from_union(routing: dict[str, Any]) -> None:
-    assert _check(routing, "padding_valid_rows_as_if_alone")["ok"]
-    assert _check(routing, "padding_rows_keep_sglang_output")["ok"]
-    assert _check(routing, "topk_module_context_padding")["ok"]
+    assert check(routing, "padding_valid_rows_as_if_alone")["ok"]
+    assert check(routing, "padding_rows_keep_sglang_output")["ok"]
+    assert check(routing, "topk_module_context_padding")["ok"]
     padding = routing["figures"]["padding"]
     assert padding["T_valid_rows"] < padding["T_if_padding_joined_union"], padding
 
 
 def test_topk_module_glm5(routing: dict[str, Any]) -> None:
-    assert _check(routing, "topk_module_glm5")["ok"]
+    assert check(routing, "topk_module_glm5")["ok"]
     assert routing["rewrites"] > 0
 
 
 def test_missing_hook_target_serves_unmodified_and_warns(fallbacks: dict[str, Any]) -> None:
     for name in ("missing_target_load_plugins_survives", "missing_target_serving_unmodified",
                  "missing_target_logged", "doctor_names_missing_target"):
-        assert _check(fallbacks, name)["ok"], _check(fallbacks, name)
+        assert check(fallbacks, name)["ok"], check(fallbacks, name)
 
 
 def test_direct_patching_without_registry(fallbacks: dict[str, Any]) -> None:
     for name in ("direct_patch_targets", "direct_patch_decode_equals_oea_route", "direct_patch_extend_untouched"):
-        assert _check(fallbacks, name)["ok"], _check(fallbacks, name)
+        assert check(fallbacks, name)["ok"], check(fallbacks, name)
