@@ -22,12 +22,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_env import free_port, server_env
+from vllm_env import VLLM_PYTHON, free_port, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SIZE = 96
 PROMPTS = [
     "def fibonacci(n):\n    ",

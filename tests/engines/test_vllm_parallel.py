@@ -36,14 +36,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_env import free_port
+from vllm_env import VLLM_PYTHON, free_port
 
 import oea
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 CAPTURE = Path(__file__).resolve().parent / "vllm_capture"
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass ", "for i in range(10):\n",
            "with open(path) as f:\n", "    def __init__(self, name):\n        self.",

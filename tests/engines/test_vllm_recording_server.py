@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_env import free_port, server_env
+from vllm_env import VLLM_PYTHON, free_port, server_env
 
 import oea
 from oea.config import write_layer_k0_file
@@ -40,8 +40,6 @@ from oea.traces import load_trace
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3000)]
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SPEC = oea.RouterSpec(128, 8, "softmax", True)  # the embedded model's router (Qwen3-MoE, norm_topk_prob)
 LAYER_K0 = (1, 2, 4, 8)
 BATCH_K0 = ((8, (8, 8, 8, 8)), (16, LAYER_K0))  # up to 8 rows every layer keeps its top-8: vanilla
