@@ -92,8 +92,10 @@ def main() -> None:
                         engine_side.append(time.perf_counter() - staged)
                         step_id += 1
                     times.append(time.perf_counter() - started)
-                if recording:
-                    time.sleep(0.2)  # the writer catches up inside the block it belongs to
+                if recording:  # the writer finishes this block's steps before the next block is timed
+                    deadline = time.monotonic() + 30
+                    while recorder.steps + recorder.dropped < step_id and time.monotonic() < deadline:
+                        time.sleep(0.01)
                     writer_cpu += _thread_cpu_s(recorder._thread) - cpu_before
                     recorded_steps += args.steps
                 if block < 0:
