@@ -290,7 +290,6 @@ def main(args: argparse.Namespace) -> int:
             return 1
     from oea.bench.serve_summary import ab_summary, plot_ab, print_ab_table
 
-    summary = summarize(rows)
     ab = ab_summary(rows, baseline=args.baseline_arm, seed=cfg.seed)
     if args.plot:
         size = (f"in={cfg.text_input_chars} chars" if cfg.dataset == "text" else f"in={cfg.random_input_len}")
@@ -299,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
             title = Path(args.summarize).name
         plot_ab(ab, args.plot, title=title)
     if args.json:
-        print(json.dumps({"rows": rows, "summary": summary, "ab": ab}, indent=1))
+        print(json.dumps({"rows": rows, "summary": summarize(rows), "ab": ab}, indent=1))
     else:
         print_ab_table(ab)
     return 0
