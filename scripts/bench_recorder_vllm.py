@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from oea.bench.serve import load_rows
-from oea.bench.serve_ab import engine_summary
+from oea.bench.serve.ab import engine_summary
+from oea.bench.serve.client import load_rows
 from oea.models import embedded_model_dir
 from oea.stats import ratio_of_medians_interval
 

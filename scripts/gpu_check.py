@@ -31,12 +31,14 @@ import os
 import pathlib
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import oea
+from oea.integrations.doctor_gpu import graphed  # CUDA-graph capture + replay (eager on CPU)
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,32 +52,6 @@ def _load_sibling(name: str) -> Any:
     assert spec.loader is not None
     spec.loader.exec_module(module)
     return module
-
-
-def graphed(fn: Callable[..., Any], *static_inputs: torch.Tensor) -> Callable[..., Any]:
-    """Capture ``fn(*static_inputs)`` in a CUDA graph; the result copies new inputs into the static
-    buffers, replays and returns (clones of) the graph's outputs. On CPU: ``fn`` itself (eager)."""
-    if static_inputs[0].device.type != "cuda":
-        return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(*static_inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn(*static_inputs)
-
-    def replay(*inputs: torch.Tensor) -> Any:
-        for buffer, value in zip(static_inputs, inputs, strict=True):
-            buffer.copy_(value)
-        graph.replay()
-        if isinstance(static_out, tuple):
-            return tuple(t.clone() for t in static_out)
-        return static_out.clone()
-
-    return replay
 
 
 def compare_routing(
@@ -127,7 +103,7 @@ def check_graph_routing(
 def check_graph_layer(device: str, dims: Sequence[int] = (64, 8, 256, 128), rows: int = 16, seed: int = 0,
                       dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     """Graph-captured route + grouped MoE layer vs eager, for vanilla and OEA k0 = 3."""
-    from oea.bench.moe_layer import MoEShape, init_weights, moe_forward
+    from oea.bench.layer.moe import MoEShape, init_weights, moe_forward
 
     n, k, h, i = dims
     shape = MoEShape(n, k, h, i)
@@ -150,10 +126,10 @@ def check_graph_layer(device: str, dims: Sequence[int] = (64, 8, 256, 128), rows
     return results
 
 
-def bench_runs(device: str, dry_run: bool, repeats: int, threads: int) -> list[dict[str, Any]]:
-    """Run the layer benchmark settings of this check; returns their results (each with ``label``)."""
-    from oea.bench.layer import LayerBenchConfig, run_layer_bench
-    from oea.bench.moe_layer import MoEShape
+def bench_configs(device: str, dry_run: bool, repeats: int, threads: int) -> list[tuple[str, Any]]:
+    """The layer benchmark settings of step 2: (label, ``LayerBenchConfig``)."""
+    from oea.bench.layer.moe import MoEShape
+    from oea.bench.layer.run import LayerBenchConfig
 
     if dry_run:
         runs = [("tiny (dry run)", LayerBenchConfig(preset="qwen3-30b-a3b", trace="qwen3-30b-a3b", batch_size=16,
@@ -169,8 +145,15 @@ def bench_runs(device: str, dry_run: bool, repeats: int, threads: int) -> list[d
             ("glm-5 TP8 slice B=16 (bf16, random logits)", LayerBenchConfig(preset="glm-5", tp=8, k0s=(3, 5),
                                                                              batch_size=16, trace="random", **common)),
         ]
+    return runs
+
+
+def bench_runs(device: str, dry_run: bool, repeats: int, threads: int) -> list[dict[str, Any]]:
+    """Run ``bench_configs``; returns their results (each with ``label`` and ``wall_s``)."""
+    from oea.bench.layer.run import run_layer_bench
+
     results = []
-    for label, config in runs:
+    for label, config in bench_configs(device, dry_run, repeats, threads):
         start = time.perf_counter()
         result = run_layer_bench(config)
         result["label"] = label
@@ -181,7 +164,7 @@ def bench_runs(device: str, dry_run: bool, repeats: int, threads: int) -> list[d
 
 def decode_configs(device: str, dry_run: bool, threads: int) -> list[tuple[str, Any]]:
     """The ``oea bench decode`` settings of this check: (label, ``DecodeBenchConfig``)."""
-    from oea.bench.decode import DecodeBenchConfig
+    from oea.bench.decode.run import DecodeBenchConfig
 
     if dry_run:
         return [("decode, embedded inflated to intermediate 64 (dry run)", DecodeBenchConfig(
@@ -194,7 +177,7 @@ def decode_configs(device: str, dry_run: bool, threads: int) -> list[tuple[str, 
 
 def decode_runs(device: str, dry_run: bool, threads: int) -> tuple[list[dict[str, Any]], str | None]:
     """Run ``decode_configs``; returns (results with ``label`` and ``wall_s``, the error that stopped them)."""
-    from oea.bench.decode import run_decode_bench
+    from oea.bench.decode.run import run_decode_bench
 
     results = []
     for label, config in decode_configs(device, dry_run, threads):
@@ -259,6 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fast-cases", type=int, default=None,
                         help="generated cases of step 0's exactness sweep (default 10000; 50 dry)")
     parser.add_argument("--out", default=None, help="result file (default: $OUT/gpu_check.json when OUT is set)")
+    parser.add_argument("--doctor-json", default=None, help="`oea doctor gpu --json` output to include (gpu_check.sh)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.dry_run:
         parser.error("--device cpu is only for --dry-run (use `oea bench layer` for CPU measurements)")
@@ -271,36 +255,96 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Every top-level field of the JSON (``$OUT/gpu_check.json``); tests/integration/test_gpu_check_script.py keeps
+# this list, the report and docs/benchmarks.md's table of fields equal.
+JSON_FIELDS: dict[str, str] = {
+    "device": "cuda, or cpu for a dry run",
+    "dry_run": "true: tiny sizes, eager (--dry-run)",
+    "torch": "torch version",
+    "estimate": "device time estimated before running, per step (counts, seconds), total_s, budget_s, fits, unit_costs",
+    "doctor": "the report of `oea doctor gpu --json` run first by gpu_check.sh (null when run without it)",
+    "steps": "per step: ok, wall_s, error (the exception that stopped it, else null)",
+    "fast_routing": "step 0: exactness (cases, mismatches, examples, graph replays), timing rows (stock / oea.route / "
+                    "route_fast µs per layer call by router and B), worst_added_us, target, target_met, ok",
+    "graph_routing": "step 1: oea.route captured vs eager, per router, policy and trial (ids_equal, max_weight_diff, "
+                     "active experts, ok)",
+    "graph_layer": "step 1: route + MoE layer captured vs eager, per policy (max_abs_diff, ok)",
+    "bench": "step 2: one `oea bench layer` result per setting (rows, sweep, fit, label, wall_s, ...)",
+    "decode": "step 3: one `oea bench decode` result per setting (rows, graph checks, label, wall_s, ...)",
+    "decode_error": "step 3: the error that stopped the decode benchmark, else null",
+    "failed_steps": "names of the steps that failed (empty when ok)",
+    "ok": "every step passed its check",
+}
+STEPS = ("0 fast routing", "1 graph vs eager", "2 layer benchmark", "3 decode benchmark")
+
+
+# what gpu_check_budget counts: the settings each step will run
+_SETTINGS = types.SimpleNamespace(bench_configs=lambda *a: bench_configs(*a),
+                                  decode_configs=lambda *a: decode_configs(*a))
+
+
+def _run_step(report: dict[str, Any], name: str, fn: Callable[[], bool]) -> None:
+    """Run one step; its wall time, verdict and the exception that stopped it go to ``report["steps"]``."""
+    start = time.perf_counter()
+    try:
+        ok, error = bool(fn()), None
+    except Exception as err:  # the next steps still run; the failure is named at the end
+        ok, error = False, f"{type(err).__name__}: {err}"
+        print(f"gpu_check: step {name} raised {error}", file=sys.stderr)
+    report["steps"][name] = {"ok": ok, "wall_s": round(time.perf_counter() - start, 2), "error": error}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        print("gpu_check: FAILED step setup: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    report: dict[str, Any] = {"device": args.device, "dry_run": args.dry_run, "torch": torch.__version__}
     fast = _load_sibling("gpu_check_routing")
-    report["fast_routing"] = fast.check_fast_routing(args.device, args.dry_run, args.repeats, graphed, args.fast_cases)
-    print("\n".join(fast.summary_lines(report["fast_routing"])))
-    report["graph_routing"] = check_graph_routing(args.device)
-    report["graph_layer"] = check_graph_layer(args.device)
-    report["bench"] = bench_runs(args.device, args.dry_run, args.repeats, args.threads)
-    report["decode"], report["decode_error"] = ([], None) if args.skip_decode else decode_runs(
-        args.device, args.dry_run, args.threads)
-    report["ok"] = (report["fast_routing"]["ok"]
-                    and all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
-                    and report["decode_error"] is None and all(decode_ok(run) for run in report["decode"]))
+    budget = _load_sibling("gpu_check_budget")
+    report: dict[str, Any] = {"device": args.device, "dry_run": args.dry_run, "torch": torch.__version__,
+                              "estimate": budget.estimate(args, _SETTINGS, fast), "doctor": None,
+                              "steps": {}}
+    print(budget.summary_line(report["estimate"]))
+    if args.doctor_json:
+        report["doctor"] = json.loads(pathlib.Path(args.doctor_json).read_text())
+
+    def step0() -> bool:
+        report["fast_routing"] = fast.check_fast_routing(args.device, args.dry_run, args.repeats, graphed,
+                                                         args.fast_cases)
+        print("\n".join(fast.summary_lines(report["fast_routing"])))
+        return bool(report["fast_routing"]["ok"])
+
+    def step1() -> bool:
+        report["graph_routing"] = check_graph_routing(args.device)
+        report["graph_layer"] = check_graph_layer(args.device)
+        return all(r["ok"] for r in report["graph_routing"] + report["graph_layer"])
+
+    def step2() -> bool:
+        report["bench"] = bench_runs(args.device, args.dry_run, args.repeats, args.threads)
+        return True
+
+    def step3() -> bool:
+        report["decode"], report["decode_error"] = ([], None) if args.skip_decode else decode_runs(
+            args.device, args.dry_run, args.threads)
+        return report["decode_error"] is None and all(decode_ok(run) for run in report["decode"])
+
+    report.update({"graph_routing": [], "graph_layer": [], "bench": [], "decode": [], "decode_error": None})
+    for name, fn in zip(STEPS, (step0, step1, step2, step3), strict=True):
+        _run_step(report, name, fn)
+    report["failed_steps"] = [name for name, step in report["steps"].items() if not step["ok"]]
+    report["ok"] = not report["failed_steps"]
+    report = {**{k: report[k] for k in JSON_FIELDS if k in report}, **report}  # the documented order
     print("\n".join(summary_lines(report)))
     out = args.out or (str(pathlib.Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None)
     if out:
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out).write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {out}")
-    if not report["ok"]:
-        print("gpu_check: FAILED: the fast routing kernel differs from oea.route, graph-captured results differ "
-              "from eager, k0 = top_k changed decode tokens, or the decode benchmark stopped (see the JSON)",
-              file=sys.stderr)
-        return 1
-    return 0
+    for name in report["failed_steps"]:
+        error = report["steps"][name]["error"]
+        print(f"gpu_check: FAILED step {name}: {error or 'its check did not pass (see the JSON)'}", file=sys.stderr)
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@
 # the OEA union (sglang.srt.model_executor.runner.decode_cuda_graph_runner, cpu_graph_runner) import them
 # (through sglang.srt.parser); openai at the version sglang 0.5.23 pins.
 #
+# SERVER_REQUIREMENTS: what `python -m sglang.launch_server` imports beyond the routing module (its HTTP server,
+# tokenizer manager, scheduler and grammar backends), pinned; installed under constraints.txt like the rest, so
+# no second torch can come in. The tests start real CPU servers with them (tests/engines/test_sglang_server*.py,
+# docs/sglang.md "Run a real SGLang server on CPU"). SGLang's C++ kernel package sgl_kernel has no CPU build on
+# the package index: the tests put oea's test-support stand-in (src/oea/launch/sgl_kernel_stand_in) on the
+# server's PYTHONPATH instead; nothing of it is installed here.
+#
 # Idempotent: a stamp file records a hash of this script, pyproject.toml and constraints.txt;
 # nothing is reinstalled while they are unchanged. Usage: bash scripts/install_sglang_cpu.sh
 set -euo pipefail
@@ -37,6 +44,11 @@ REQUIREMENTS=(
     "ipython==9.18.1" "aiohttp==3.14.5" "dill==0.4.1" "apache-tvm-ffi==0.1.11"
     "sentencepiece==0.2.3" "einops==0.8.2" "compressed-tensors==0.20.1" "gguf==0.19.0"
     "torchvision==0.28.0" "openai==2.8.0" "partial-json-parser==0.2.1.1.post7"
+)
+SERVER_REQUIREMENTS=(
+    "fastapi==0.165.0" "uvicorn==0.54.0" "uvloop==0.23.0" "setproctitle==1.3.8" "python-multipart==0.0.34"
+    "xgrammar==0.2.7" "jsonschema==4.26.0" "prometheus-client==0.26.0" "interegular==0.3.3" "soundfile==0.13.1"
+    "datasets==5.2.0"  # SGLang's own client (python -m sglang.bench_serving) imports it for its dataset loaders
 )
 
 fingerprint="$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -c1-16)"
@@ -54,7 +66,7 @@ pip_install() {
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/constraints.txt" "$@"
 }
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip
-pip_install "${REQUIREMENTS[@]}"
+pip_install "${REQUIREMENTS[@]}" "${SERVER_REQUIREMENTS[@]}"
 guard_torchvision_fake_kernels() {
     "$VENV/bin/python" - <<'PY'
 import importlib.util
@@ -96,6 +108,23 @@ names = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
 assert "oea.integrations.sglang:register" in names, f"oea plugin entry point missing: {names}"
 print(f"install_sglang_cpu: sglang {version('sglang')}, torch {version('torch')}, torchvision "
       f"{version('torchvision')} (compiled ops loaded: {torchvision.extension._has_ops()}), entry points {names}")
+PY
+# The server's own import chain, in a fresh process as a CPU server sees it (is_cpu() is read at import time):
+# SGLang's CPU engine and the sgl_kernel stand-in on PYTHONPATH, as the tests and docs/sglang.md start it.
+SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$ROOT/src/oea/launch/sgl_kernel_stand_in${PYTHONPATH:+:$PYTHONPATH}" \
+    "$VENV/bin/python" -W ignore - <<'PY'
+from importlib.metadata import distributions
+
+import sglang.srt.entrypoints.http_server  # noqa: F401
+import sglang.srt.managers.scheduler  # noqa: F401
+import sgl_kernel
+import sglang.benchmark.serving  # noqa: F401  (SGLang's own client: python -m sglang.bench_serving)
+
+assert getattr(sgl_kernel, "STAND_IN", False), f"a real sgl_kernel shadows the stand-in: {sgl_kernel.__file__}"
+torches = sorted(f"{d.version} ({d.locate_file('')})" for d in distributions() if d.metadata["Name"] == "torch")
+assert len(torches) == 1, f"more than one torch installed: {torches}"
+print(f"install_sglang_cpu: the server imports (sglang.srt.entrypoints.http_server, managers.scheduler) with "
+      f"SGLANG_USE_CPU_ENGINE=1 and the sgl_kernel stand-in; torch {torches[0]}")
 PY
 rm -f "$VENV"/.installed-*
 touch "$stamp"

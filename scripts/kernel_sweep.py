@@ -8,8 +8,10 @@ Each case (``random_case``, also the generator of the hypothesis tests in ``test
 draws a router family (softmax ± renormalise; sigmoid with or without correction bias, groups, routed
 scaling), N (powers of two and not), k, M, a logits style (normal, tied grids, bf16, fp16, NaN/±inf rows),
 a config (vanilla, pruned, OEA with min_batch / max_experts / max_rank / group_fill, adaptive k0) and
-padding rows. A case matches when the ids are equal slot by slot, weights are within the dispatcher's
-stated tolerance and zero exactly where the core's are zero. Prints one JSON line; exit 1 on any mismatch.
+padding rows. The boundary cases (``boundary_cases``: min_batch edges, k0 = 1 / k, every row padding, the
+smallest groups, ties) run first. A case matches when the ids are equal slot by slot, weights are within the
+dispatcher's stated tolerance and zero exactly where the core's are zero. Prints one JSON line; exit 1 on any
+mismatch.
 """
 
 from __future__ import annotations
@@ -88,12 +90,52 @@ def random_case(seed: int, max_rows: int = 64, sizes: tuple[int, ...] = SIZES,
         if rng.random() < 0.4:
             options["max_experts"] = rng.randint(k0, k)
         if rng.random() < 0.3:
-            options["max_rank"] = rng.randint(1, n)
+            options["max_rank"] = rng.randint(k0, n)
         cfg = oea.OEAConfig(k0, **options)
     valid = None
     if rng.random() < 0.5:
         valid = torch.rand(m, generator=gen) < rng.choice([0.3, 0.8, 1.0])
     return _logits(rng, gen, m, n, rng.choice(STYLES)), spec, cfg, valid
+
+
+def _permuted(m: int, n: int, seed: int) -> torch.Tensor:
+    """[m, n] logits without ties: a random permutation of 0..n-1 per row, scaled."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=gen) for _ in range(m)]).float() / 4
+
+
+def boundary_cases() -> list[tuple[str, Case]]:
+    """The boundaries written out (the explicit ``@example``s of the property tests, also swept first):
+    min_batch - 1 / exactly / + 1 real rows with and without padding rows, k0 = 1 and k0 = k, every row
+    padding, the smallest groups a grouped router may have (two experts each: one expert per group is
+    refused by ``RouterSpec``) and a single group, and ties (equal logits, a tied grid)."""
+    softmax = oea.RouterSpec(16, 4)
+    cases: list[tuple[str, Case]] = []
+    for real in (3, 4, 5):  # min_batch = 4
+        valid = torch.tensor([True, False] * real + [False] * 2)  # real rows between padding rows
+        cfg = oea.OEAConfig(2, min_batch=4)
+        cases.append((f"{real} real rows, min_batch 4, padded", (_permuted(len(valid), 16, real), softmax, cfg, valid)))
+        cases.append((f"{real} rows, min_batch 4", (_permuted(real, 16, 10 + real), softmax, cfg, None)))
+    cases.append(("k0 = 1", (_permuted(6, 16, 20), softmax, oea.OEAConfig(1, min_batch=0), None)))
+    cases.append(("k0 = k", (_permuted(6, 16, 21), softmax, oea.OEAConfig(4), None)))
+    cases.append(("pruned k0 = 1", (_permuted(6, 16, 22), softmax, oea.PrunedConfig(1), None)))
+    nothing_real = torch.zeros(5, dtype=torch.bool)
+    for min_batch in (0, 2):
+        cfg = oea.OEAConfig(2, min_batch=min_batch)
+        cases.append((f"every row padding, min_batch {min_batch}", (_permuted(5, 16, 23), softmax, cfg, nothing_real)))
+    bias = torch.arange(16).float().flip(0) / 64
+    for fill in ("in", "cross"):
+        pairs = oea.RouterSpec(16, 4, "sigmoid", correction_bias=bias, n_group=8, topk_group=2,
+                               routed_scaling_factor=2.5)
+        cases.append((f"two experts per group, group_fill {fill}",
+                      (_permuted(7, 16, 24), pairs, oea.OEAConfig(1, group_fill=fill), None)))
+    single = oea.RouterSpec(16, 4, "sigmoid", n_group=1, topk_group=1)
+    cases.append(("a single group", (_permuted(7, 16, 25), single, oea.OEAConfig(2), None)))
+    grid = torch.randint(-2, 3, (8, 16), generator=torch.Generator().manual_seed(26)).float() / 4
+    for spec in (softmax, oea.RouterSpec(16, 4, "sigmoid", renormalize=True)):
+        cases.append((f"equal logits, {spec.scoring}", (torch.zeros(6, 16), spec, oea.OEAConfig(2, min_batch=0), None)))
+        cases.append((f"tied grid, {spec.scoring}", (grid, spec, oea.OEAConfig(2, min_batch=0), None)))
+    return cases
 
 
 def mismatch(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str | None:
@@ -117,11 +159,14 @@ def mismatch(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, t
 
 
 def sweep(impl: str, cases: int, device: str, first_seed: int = 0, max_rows: int = 64) -> dict:
-    """Run ``cases`` generated cases through ``route_fast(impl=...)`` and ``oea.route``; count mismatches."""
+    """Run the boundary cases, then ``cases`` generated ones, through ``route_fast(impl=...)`` and ``oea.route``;
+    count mismatches (a boundary case's is named by its ``boundary`` instead of a ``seed``)."""
     mismatches: list[dict] = []
     start = time.perf_counter()
-    for seed in range(first_seed, first_seed + cases):
-        logits, spec, cfg, valid = random_case(seed, max_rows)
+    boundaries = boundary_cases()
+    labelled = [({"boundary": name}, case) for name, case in boundaries]
+    labelled += [({"seed": seed}, random_case(seed, max_rows)) for seed in range(first_seed, first_seed + cases)]
+    for label, (logits, spec, cfg, valid) in labelled:
         if spec.correction_bias is not None:
             spec = oea.RouterSpec(spec.num_experts, spec.top_k, spec.scoring, spec.renormalize,
                                   spec.correction_bias.to(device), spec.n_group, spec.topk_group,
@@ -132,8 +177,9 @@ def sweep(impl: str, cases: int, device: str, first_seed: int = 0, max_rows: int
         got = route_fast(logits, spec, cfg, valid, impl=impl)
         why = mismatch(got, want)
         if why is not None:
-            mismatches.append({"seed": seed, "why": why})
-    return {"impl": impl, "device": device, "cases": cases, "first_seed": first_seed, "max_rows": max_rows,
+            mismatches.append({**label, "why": why})
+    return {"impl": impl, "device": device, "cases": cases, "boundary_cases": len(boundaries),
+            "first_seed": first_seed, "max_rows": max_rows,
             "mismatches": len(mismatches), "examples": mismatches[:5],
             "weight_rtol": WEIGHT_RTOL, "weight_atol": WEIGHT_ATOL, "torch": torch.__version__,
             "wall_s": round(time.perf_counter() - start, 1)}

@@ -10,6 +10,7 @@ subprocesses and in the engine venvs' servers), and reports whether a test faile
     .venv/bin/python scripts/mutation_check.py                      # every mutation (long)
     .venv/bin/python scripts/mutation_check.py --only sim-mixed-with-replacement eval-se-over-batches
     .venv/bin/python scripts/mutation_check.py --fast                # only tests outside slow/engine
+    .venv/bin/python scripts/mutation_check.py --fast --jobs 2       # two mutations at a time
 
 Exit status: 0 when every mutation run was killed, 1 otherwise. See docs/testing.md.
 """
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +89,34 @@ def apply(mutation: Mutation, src: Path) -> str | None:
     return None
 
 
+def stale_reasons(mutation: Mutation, root: Path) -> list[str]:
+    """Why ``mutation`` can no longer be judged in the tree at ``root`` (empty when it can).
+
+    A snippet must occur exactly once in its file, and each named test file (and test function, for a
+    ``file::name`` id; parameters in brackets aside) must exist: a moved test would turn the run into an
+    error instead of a verdict.
+    """
+    reasons = []
+    target = root / "src" / mutation.file
+    text = target.read_text() if target.is_file() else ""
+    for number, old in enumerate(snippets(mutation.old)):
+        count = text.count(old)
+        if count != 1:
+            which = f"snippet {number + 1}" if isinstance(mutation.old, tuple) else "the snippet"
+            reasons.append(f"{which} occurs {count} times in {mutation.file} (must be exactly once)")
+    for test in mutation.tests:
+        path, _, name = test.partition("::")
+        test_file = root / path
+        if not test_file.is_file():
+            reasons.append(f"test file {path} not found")
+            continue
+        name = name.split("[")[0].split("::")[0]
+        defined = rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(name)}\b"
+        if name and not re.search(defined, test_file.read_text(), re.M):
+            reasons.append(f"{name} not found in {path}")
+    return reasons
+
+
 def snippets(value: str | tuple[str, ...]) -> tuple[str, ...]:
     """A mutation's ``old`` or ``new`` as a tuple of snippets."""
     return (value,) if isinstance(value, str) else value
@@ -102,8 +132,10 @@ def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, str, floa
         if reason is not None:
             return "not-applied", reason, 0.0
         env = {**os.environ, "PYTHONPATH": str(src)}
-        probe = subprocess.run([python, "-c", "import oea; print(oea.__file__)"], env=env, cwd=ROOT,
-                               capture_output=True, text=True)
+        # find_spec resolves the package as an import would (PYTHONPATH before the editable finder)
+        # without running oea/__init__.py, which imports torch (seconds per mutation).
+        probe = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('oea').origin)"],
+                               env=env, cwd=ROOT, capture_output=True, text=True)
         if not probe.stdout.strip().startswith(str(src)):
             return "error", f"the mutant is not the imported oea: {probe.stdout.strip()} {probe.stderr[-300:]}", 0.0
         command = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests]
@@ -147,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only check that every snippet still occurs exactly once (fast; after a refactor)")
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter for pytest")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation run")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="run N mutations at a time (each in its own scratch copy; default 1)")
     parser.add_argument("--baseline", action="store_true",
                         help="first run each distinct test selection unmutated; skip those that already fail")
     parser.add_argument("--markdown", type=Path, metavar="FILE",
@@ -170,24 +204,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_snippets:
         stale = 0
         for m in mutations:
-            target = ROOT / "src" / m.file
-            text = target.read_text() if target.is_file() else ""
-            count = next((n for n in (text.count(old) for old in snippets(m.old)) if n != 1), 1)
-            if count != 1:
-                stale += 1
-                print(f"not-applied {m.id:40s} the snippet occurs {count} times in {m.file}")
-        print(f"{len(mutations) - stale}/{len(mutations)} snippets apply")
+            reasons = stale_reasons(m, ROOT)
+            stale += bool(reasons)
+            for reason in reasons:
+                print(f"not-applied {m.id:40s} {reason}")
+        print(f"{len(mutations) - stale}/{len(mutations)} snippets apply (and their tests exist)")
         return 0 if stale == 0 else 1
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     broken = baseline_failures(mutations, args.python, args.timeout) if args.baseline else set()
+
+    def judge(m: Mutation) -> tuple[str, str, float]:
+        if (m.tests, m.marks) in broken:
+            return "error", "its tests fail without the mutation", 0.0
+        status, detail, seconds = run(m, args.python, args.timeout)
+        print(f"{status:11s} {m.id:40s} {seconds:6.1f} s  {detail}", flush=True)  # as each one ends
+        return status, detail, seconds
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is a subprocess: threads suffice
+        results = list(pool.map(judge, mutations))
     survivors = 0
     table = ["| mutation | file | the bug | result | first failing test |", "|---|---|---|---|---|"]
-    for m in mutations:
-        if (m.tests, m.marks) in broken:
-            status, detail, seconds = "error", "its tests fail without the mutation", 0.0
-        else:
-            status, detail, seconds = run(m, args.python, args.timeout)
+    for m, (status, detail, _) in zip(mutations, results, strict=True):  # the catalogue's order
         survivors += status != "killed"
-        print(f"{status:11s} {m.id:40s} {seconds:6.1f} s  {detail}", flush=True)
         killer = detail.split("  (")[0] if status == "killed" else detail
         table.append(f"| `{m.id}` | `{m.file}` | {m.why} | {status} | `{killer}` |")
     print(f"{len(mutations) - survivors}/{len(mutations)} mutations killed")

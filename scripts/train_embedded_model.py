@@ -135,7 +135,7 @@ def build_config(tokenizer, aux_coef: float):
         decoder_sparse_step=1,
         mlp_only_layers=[],
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True,  # trained tied; the export stores the head as its own copy (untie_output_head)
         output_router_logits=True,
         router_aux_loss_coef=aux_coef,
         bos_token_id=tokenizer.bos_token_id,

@@ -17,18 +17,19 @@ from typing import NoReturn
 # Each module defines ``register(commands, bench)`` adding parsers with ``set_defaults(handler=...)``;
 # a handler takes the parsed ``argparse.Namespace`` and returns an exit code.
 COMMAND_MODULES: tuple[str, ...] = (
-    "oea.bench.cli",
+    "oea.bench.routing.cli",
     "oea.traces.cli",
     "oea.sim.cli",
     "oea.report.cli",
     "oea.integrations.doctor_cli",
     "oea.eval.cli",
-    "oea.bench.layer_cli",
+    "oea.bench.layer.cli",
     "oea.tuning.cli",
-    "oea.bench.serve_cli",
+    "oea.bench.serve.cli",
     "oea.launch.vllm_cli",
     "oea.models.cli",
-    "oea.bench.decode_cli",
+    "oea.bench.decode.cli",
+    "oea.soak.cli",
 )
 
 

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+import os
+import pathlib
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -14,6 +20,45 @@ def wide_console() -> Any:
 
     console = Console()
     return console if console.is_terminal else Console(width=220)
+
+
+PLAIN_PROGRESS_EVERY_S = 10.0  # a progress line at most this often when stderr is not a terminal
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """Progress of a long command on stderr; yields a ``progress(done, total)`` callback, or ``None``.
+
+    ``enabled`` is False for ``--json`` (and any other quiet mode): nothing is printed. On a terminal: a rich
+    bar that disappears when the work is done. Otherwise (a log file, a pipe, CI): a line ``done/total`` with
+    the elapsed time at the first callback and then at most every ``PLAIN_PROGRESS_EVERY_S`` seconds, so a
+    long run is never silent and a log stays short. Nothing is printed before the first callback, so an
+    argument error raised before the work starts stays the only line on stderr. stdout is never touched.
+    """
+    if not enabled:
+        yield None
+        return
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn(description), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        task = bar.add_task(description, total=None)
+        with bar:
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+        return
+    start = time.monotonic()
+    last: float | None = None
+
+    def plain(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if last is None or now - last >= PLAIN_PROGRESS_EVERY_S:
+            last = now
+            print(f"{description}: {done}/{total} ({now - start:.0f} s)", file=sys.stderr, flush=True)
+
+    yield plain
 
 
 def format_interval(value: float | None, ci: Sequence[float] | None, digits: int = 1, signed: bool = False) -> str:
@@ -31,6 +76,11 @@ def format_interval(value: float | None, ci: Sequence[float] | None, digits: int
     if math.isclose(high - value, value - low, rel_tol=1e-6, abs_tol=1e-12):
         return f"{value:{spec}} ±{(high - low) / 2:.{digits}f}"
     return f"{value:{spec}} [{low:{spec}}, {high:{spec}}]"
+
+
+def format_p_value(p_value: float | None) -> str:
+    """A p-value for a table cell (two significant digits); ``-`` where no test ran (e.g. identical rows)."""
+    return "-" if p_value is None else f"{p_value:.2g}"
 
 
 # ---------------------------------------------------------------- argparse value types
@@ -82,6 +132,30 @@ def float_between(low: float, high: float | None = None, low_open: bool = False)
     return parse
 
 
+SEED_MAX = 2**32 - 1  # numpy's seeds; torch's and random's accept these too
+
+
+def seed_value(text: str) -> int:
+    """``type=`` for ``--seed``: an integer in 0..2**32-1."""
+    value = _parse_int(text, f"in 0..{SEED_MAX}")
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{SEED_MAX}, got {text!r}")
+    return value
+
+
+seed_value.__name__ = "seed"
+
+
+def non_empty_text(text: str) -> str:
+    """``type=`` for a name that must not be empty or blank (``--name ""``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a non-empty name, got {text!r}")
+    return text
+
+
+non_empty_text.__name__ = "non-empty name"
+
+
 def _parse_int(text: str, allowed: str) -> int:
     try:
         return int(text)
@@ -125,3 +199,57 @@ def add_batch_sizes_argument(
     if legacy_alias:
         parser.add_argument("--batch-size", dest="batch_sizes", default=argparse.SUPPRESS, help=argparse.SUPPRESS,
                             **kwargs)
+
+
+# ---------------------------------------------------------------- output paths
+# Checked before a command computes anything, so that a path it cannot write is one line naming the flag and
+# nothing is written. Writability is probed by creating (and removing) an empty file where the output goes:
+# permission bits say nothing for root, nor for read-only or virtual file systems.
+
+
+def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
+    absolute = path.absolute()
+    return next(p for p in (absolute, *absolute.parents) if p.exists())
+
+
+def _probe_writable(folder: pathlib.Path, flag: str, given: str) -> None:
+    try:
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".oea-write-check-")
+    except OSError as err:
+        raise ValueError(f"{flag} {given}: cannot write in {folder} ({err.strerror or err})") from None
+    os.close(handle)
+    os.unlink(probe)
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str, create_folders: bool = False) -> pathlib.Path:
+    """The file ``path`` can be written: not a folder, its folder exists (or, with ``create_folders``, can
+    be created) and accepts a new file. Raises ``ValueError`` naming ``flag``; returns ``path``."""
+    target = pathlib.Path(path)
+    given = str(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {given}: is a folder; give a file name")
+    existing = _nearest_existing(target.parent)
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {given}: {existing} is a file, not a folder")
+    if existing != target.parent.absolute() and not create_folders:
+        raise ValueError(f"{flag} {given}: folder {target.parent} does not exist")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{flag} {given}: the file exists and is not writable")
+    _probe_writable(existing, flag, given)
+    return target
+
+
+def check_output_folder(path: str | os.PathLike[str], flag: str, empty: bool = False) -> pathlib.Path:
+    """The folder ``path`` exists or can be created, and accepts new files (and, with ``empty``, holds
+    nothing yet). Raises ``ValueError`` naming ``flag``; returns ``path``. Nothing is created."""
+    target = pathlib.Path(path)
+    given = str(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{flag} {given} exists and is not a folder")
+    if empty and target.is_dir() and any(target.iterdir()):
+        raise ValueError(f"{flag} {given} already exists and is not an empty directory")
+    existing = _nearest_existing(target)
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {given}: {existing} is a file, not a folder")
+    _probe_writable(existing, flag, given)
+    return target

@@ -6,6 +6,7 @@ Usage (from the repository root)::
     .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py fallbacks # a hook target missing; direct patching
     .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py bad-env   # load_plugins() with a bad OEA_K0
     .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py padding   # CUDA-graph padding (sglang_padding_checks.py)
+    .venv-sglang/bin/python tests/engines/sglang_cpu_checks.py verify    # speculative verify (sglang_verify_checks.py)
 
 ``routing`` loads the plugin through SGLang's own ``load_plugins()`` twice in one process: first
 with OEA off (nothing may change), then with ``OEA_K0=3`` (hooks applied by SGLang's HookRegistry),
@@ -23,33 +24,19 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.pop("SGLANG_USE_CPU_ENGINE", None)  # SGLang's CPU backend needs sgl_kernel, which has no CPU build
-
 import torch
-
-torch.set_num_threads(1)
-# SGLang's grouped top-k helpers are @torch.compile'd; Inductor on CPU costs ~20 s per new shape.
-torch._dynamo.config.disable = True
+from sglang_check_support import Checks, identical, in_mode, logged_warnings, same, select, sglang_modules
 
 K0 = 3
 E_GLM, E_QWEN, TOP_K = 256, 128, 8
 
 
 def _sglang() -> SimpleNamespace:
-    import sglang.srt.layers.moe.topk as topk
-    import sglang.srt.model_executor.forward_context as fc
-    import sglang.srt.plugins as plugins
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
 
-    reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu"), role="test",
-            ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    return SimpleNamespace(topk=topk, fc=fc, plugins=plugins, ForwardMode=ForwardMode,
-                           SharedExpertsConfig=SharedExpertsConfig)
+    sg = sglang_modules()
+    sg.SharedExpertsConfig = SharedExpertsConfig
+    return sg
 
 
 def _logits(m: int, e: int, seed: int) -> torch.Tensor:
@@ -104,48 +91,7 @@ def _cases(sg: SimpleNamespace) -> dict[str, dict[str, Any]]:
 
 def _select(sg: SimpleNamespace, case: dict[str, Any], logits: torch.Tensor | None = None,
             **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = case["logits"] if logits is None else logits
-    hidden = torch.zeros(logits.shape[0], 4)
-    out = sg.topk.select_experts(hidden_states=hidden, router_logits=logits, topk_config=case["config"],
-                                 layer_id=0, **kwargs)
-    return out.topk_ids.clone(), out.topk_weights.clone()
-
-
-def _in_mode(sg: SimpleNamespace, mode_name: str | None, non_padded: torch.Tensor | None = None):
-    """SGLang's own forward_context(...) with a batch in ``mode_name`` (None: no forward context)."""
-    import contextlib
-
-    if mode_name is None:
-        return contextlib.nullcontext()
-    ctx = sg.fc.ForwardContext(attn_backend=None)
-    bound = None if non_padded is None else (lambda: non_padded)
-    batch = SimpleNamespace(forward_mode=getattr(sg.ForwardMode, mode_name), moe_num_token_non_padded=bound)
-    return sg.fc.forward_context(ctx, forward_batch=batch)  # looked up at call time: the hooked version
-
-
-def _sorted_rows(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows as (id, weight) sorted by id, zero-weight filler slots dropped (set semantics)."""
-    ids = ids.long().clone()
-    weights = weights.float().clone()
-    ids[weights == 0] = torch.iinfo(torch.int64).max
-    order = ids.argsort(dim=1, stable=True)
-    return ids.gather(1, order), weights.gather(1, order)
-
-
-def _same_routing(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> tuple[bool, str]:
-    ia, wa = _sorted_rows(*a)
-    ib, wb = _sorted_rows(*b)
-    if ia.shape != ib.shape or not torch.equal(ia, ib):
-        rows = (ia != ib).any(dim=1).nonzero().flatten().tolist() if ia.shape == ib.shape else "shape"
-        return False, f"expert sets differ (rows {rows})"
-    if not torch.allclose(wa, wb, rtol=1e-5, atol=1e-6):
-        return False, f"weights differ (max abs diff {(wa - wb).abs().max().item():.3g})"
-    return True, "equal"
-
-
-def _identical(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> tuple[bool, str]:
-    ok = a[0].dtype == b[0].dtype and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    return ok, "bitwise identical" if ok else "output changed"
+    return select(sg, case["config"], case["logits"] if logits is None else logits, **kwargs)
 
 
 def _active(ids: torch.Tensor, weights: torch.Tensor) -> int:
@@ -161,11 +107,8 @@ def run_routing() -> dict[str, Any]:
     os.environ.pop("OEA_K0", None)
     os.environ.pop("SGLANG_OEA_K0", None)
     sg = _sglang()
-    checks: list[dict[str, Any]] = []
+    check = Checks()
     figures: dict[str, Any] = {}
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
 
     # SGLang's MoE import chain reached the installed torchvision (moe/utils -> configs -> internvl_utils),
     # not a stand-in: the transforms it bound are torchvision's own classes.
@@ -190,11 +133,11 @@ def run_routing() -> dict[str, Any]:
     for name, case in cases.items():
         if name == "glm5_fused_shared_slot":
             continue
-        with _in_mode(sg, "DECODE"):
+        with in_mode(sg, "DECODE"):
             out = _select(sg, case)
-        check(f"off_identical:{name}", *_identical(out, baseline[name]))
+        check(f"off_identical:{name}", *identical(out, baseline[name]))
         # The translation oracle: SGLang's vanilla routing == oea's vanilla routing for this spec.
-        check(f"vanilla_matches_oea:{name}", *_same_routing(baseline[name], oea.route(case["logits"], case["spec"])))
+        check(f"vanilla_matches_oea:{name}", *same(baseline[name], oea.route(case["logits"], case["spec"])))
 
     # -- phase 2: OEA on. Re-run SGLang's plugin loader (its once-per-process guard reset).
     os.environ["OEA_K0"] = str(K0)
@@ -205,14 +148,14 @@ def run_routing() -> dict[str, Any]:
     cfg = oea.OEAConfig(K0)
     for name, case in cases.items():
         spec = case["spec"]
-        with _in_mode(sg, "DECODE"):
+        with in_mode(sg, "DECODE"):
             decode = _select(sg, case)
-        with _in_mode(sg, "EXTEND"):
+        with in_mode(sg, "EXTEND"):
             extend = _select(sg, case)
         outside = _select(sg, case)
         expected = oea.route(case["logits"], spec, cfg)
         routed = (decode[0][:, :TOP_K], decode[1][:, :TOP_K])
-        check(f"decode_equals_oea_route:{name}", *_same_routing(routed, expected))
+        check(f"decode_equals_oea_route:{name}", *same(routed, expected))
         check(f"decode_dtypes:{name}", decode[0].dtype == baseline[name][0].dtype
               and decode[1].dtype == torch.float32,
               f"ids {decode[0].dtype} (SGLang: {baseline[name][0].dtype}), weights {decode[1].dtype}")
@@ -221,10 +164,10 @@ def run_routing() -> dict[str, Any]:
                 decode[1][:, TOP_K:], baseline[name][1][:, TOP_K:])
             check("shared_slot_untouched", shared_same and decode[0].shape == baseline[name][0].shape,
                   f"shared column ids {decode[0][:3, TOP_K:].flatten().tolist()}")
-            check(f"extend_untouched:{name}", *_same_routing(extend, baseline[name]))
+            check(f"extend_untouched:{name}", *same(extend, baseline[name]))
         else:
-            check(f"extend_untouched:{name}", *_identical(extend, baseline[name]))
-            check(f"no_forward_context_untouched:{name}", *_identical(outside, baseline[name]))
+            check(f"extend_untouched:{name}", *identical(extend, baseline[name]))
+            check(f"no_forward_context_untouched:{name}", *identical(outside, baseline[name]))
         figures[name] = {"T_vanilla": _active(*baseline[name][:2]) if name != "glm5_fused_shared_slot"
                          else _active(baseline[name][0][:, :TOP_K], baseline[name][1][:, :TOP_K]),
                          "T_oea": _active(*routed), "rows": int(case["logits"].shape[0])}
@@ -233,11 +176,11 @@ def run_routing() -> dict[str, Any]:
 
     # Padding rows: excluded from the union, returned as SGLang produced them.
     glm = cases["glm5_sigmoid_ngroup1"]
-    with _in_mode(sg, "DECODE"):
+    with in_mode(sg, "DECODE"):
         padded = _select(sg, glm, padded_logits, num_token_non_padded=non_padded)
     real_only = oea.route(padded_logits[:8], glm["spec"], cfg)
-    check("padding_valid_rows_as_if_alone", *_same_routing((padded[0][:8], padded[1][:8]), real_only))
-    check("padding_rows_keep_sglang_output", *_identical((padded[0][8:], padded[1][8:]),
+    check("padding_valid_rows_as_if_alone", *same((padded[0][:8], padded[1][:8]), real_only))
+    check("padding_rows_keep_sglang_output", *identical((padded[0][8:], padded[1][8:]),
                                                          (baseline_padded[0][8:], baseline_padded[1][8:])))
     with_padding_in_union = oea.route(padded_logits, glm["spec"], cfg)
     figures["padding"] = {"T_valid_rows": _active(padded[0][:8], padded[1][:8]),
@@ -248,52 +191,41 @@ def run_routing() -> dict[str, Any]:
     tk_qwen = sg.topk.TopK(top_k=TOP_K, layer_id=1, renormalize=True,
                            output_format=sg.topk.TopKOutputFormat.STANDARD)
     qwen = cases["qwen3_softmax_native"]
-    with _in_mode(sg, "DECODE", non_padded=torch.tensor(10, dtype=torch.int32)):
+    with in_mode(sg, "DECODE", non_padded=torch.tensor(10, dtype=torch.int32)):
         out = tk_qwen(torch.zeros(16, 4), qwen["logits"])
-    check("topk_module_context_padding", *_same_routing((out.topk_ids[:10], out.topk_weights[:10]),
+    check("topk_module_context_padding", *same((out.topk_ids[:10], out.topk_weights[:10]),
                                                         oea.route(qwen["logits"][:10], qwen["spec"], cfg)))
     tk_glm = sg.topk.TopK(top_k=TOP_K, layer_id=2, use_grouped_topk=True, num_expert_group=1, topk_group=1,
                           renormalize=True, scoring_func="sigmoid", correction_bias=glm["config"].correction_bias,
                           routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=False,
                           output_format=sg.topk.TopKOutputFormat.STANDARD)
-    with _in_mode(sg, "DECODE"):
+    with in_mode(sg, "DECODE"):
         out = tk_glm(torch.zeros(16, 4), glm["logits"])
-    check("topk_module_glm5", *_same_routing((out.topk_ids, out.topk_weights),
+    check("topk_module_glm5", *same((out.topk_ids, out.topk_weights),
                                              oea.route(glm["logits"], glm["spec"], cfg)))
 
     # Below OEA_MIN_BATCH (2): a single decode row keeps SGLang's routing.
-    with _in_mode(sg, "DECODE"):
+    with in_mode(sg, "DECODE"):
         single = _select(sg, glm, one_row)
-    check("min_batch_single_row_untouched", *_identical(single, baseline_one_row))
+    check("min_batch_single_row_untouched", *identical(single, baseline_one_row))
 
     from importlib.metadata import version
 
     return {"sglang_version": version("sglang"), "k0": K0, "rewrites": plugin.rewrite_count(),
-            "checks": checks, "figures": figures}
+            "checks": check.records, "figures": figures}
 
 
 def run_fallbacks() -> dict[str, Any]:
     """A hook target missing (a renamed SGLang function): serving goes on unmodified, loudly; the
     doctor names the target; the launcher's direct patching (SGLang < 0.5.12 path) then works."""
-    import logging
-
     import oea
     import oea.integrations.sglang.targets as targets  # the names the hooks and the doctor read at call time
     from oea.config import settings_from_env
     from oea.integrations import sglang as plugin
 
-    records: list[str] = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger().addHandler(_Collect(level=logging.WARNING))
+    records = logged_warnings()
     sg = _sglang()
-    checks: list[dict[str, Any]] = []
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+    check = Checks()
 
     case = _cases(sg)["glm5_sigmoid_ngroup1"]
     baseline = _select(sg, case)
@@ -307,9 +239,9 @@ def run_fallbacks() -> dict[str, Any]:
         check("missing_target_load_plugins_survives", True, "load_plugins() returned")
     except Exception as err:  # the point of the check: report, don't crash the script
         check("missing_target_load_plugins_survives", False, f"{type(err).__name__}: {err}")
-    with _in_mode(sg, "DECODE"):
+    with in_mode(sg, "DECODE"):
         out = _select(sg, case)
-    check("missing_target_serving_unmodified", *_identical(out, baseline))
+    check("missing_target_serving_unmodified", *identical(out, baseline))
     logged = [r for r in records if "routing hook is not installed" in r and renamed in r]
     check("missing_target_logged", bool(logged), logged[0] if logged else f"log records: {records[-5:]}")
     doctor = {c["name"]: c for c in plugin.doctor_checks()}
@@ -319,15 +251,15 @@ def run_fallbacks() -> dict[str, Any]:
 
     targets.POST_PROCESS_TARGET = real_target
     patched = plugin.install_without_registry(settings_from_env())
-    with _in_mode(sg, "DECODE"):
+    with in_mode(sg, "DECODE"):
         out = _select(sg, case)
     check("direct_patch_targets", real_target in patched, f"{patched}")
     check("direct_patch_decode_equals_oea_route",
-          *_same_routing(out, oea.route(case["logits"], case["spec"], oea.OEAConfig(K0))))
-    with _in_mode(sg, "EXTEND"):
+          *same(out, oea.route(case["logits"], case["spec"], oea.OEAConfig(K0))))
+    with in_mode(sg, "EXTEND"):
         out = _select(sg, case)
-    check("direct_patch_extend_untouched", *_identical(out, baseline))
-    return {"checks": checks}
+    check("direct_patch_extend_untouched", *identical(out, baseline))
+    return {"checks": check.records}
 
 
 def main(argv: list[str]) -> int:
@@ -342,13 +274,19 @@ def main(argv: list[str]) -> int:
 
         print(json.dumps(run_padding() if argv[0] == "padding" else run_padding_missing()))
         return 0
+    if argv[:1] in (["verify"], ["verify-unset"]):  # speculative verify forwards: sglang_verify_checks.py
+        from sglang_verify_checks import run_verify
+
+        print(json.dumps(run_verify(apply=argv[0] == "verify")))
+        return 0
     if argv[:1] == ["bad-env"]:  # SGLang's own loader with a malformed OEA_K0: must stop the process
         import sglang.srt.plugins as plugins
 
         plugins.load_plugins()
         print(json.dumps({"started": True}))
         return 0
-    print("usage: sglang_cpu_checks.py routing|fallbacks|padding|padding-missing|bad-env", file=sys.stderr)
+    print("usage: sglang_cpu_checks.py routing|fallbacks|padding|padding-missing|verify|verify-unset|bad-env",
+          file=sys.stderr)
     return 2
 
 

@@ -17,30 +17,31 @@ busiest device with ``oea simulate``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from sglang_cpu_checks import _identical, _in_mode, _same_routing  # its import sets one thread and Dynamo off
+from sglang_check_support import (
+    Checks,
+    identical,
+    in_mode,
+    logged_warnings,
+    publish_test_context,
+    same,
+    select,
+    sglang_modules,
+)
 
 E, TOP_K, EP = 256, 8, 8  # GLM-5's routed experts and top-k; expert-parallel ranks
 
 
 def _publish(ep_size: int) -> SimpleNamespace:
     import sglang.srt.eplb.expert_location as location
-    import sglang.srt.layers.moe.topk as topk
-    import sglang.srt.model_executor.forward_context as fc
-    import sglang.srt.plugins as plugins
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
 
-    reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu", tp_size=8, ep_size=ep_size, ep_dispatch_algorithm="static"),
-            role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    return SimpleNamespace(topk=topk, fc=fc, plugins=plugins, ForwardMode=ForwardMode, location=location)
+    sg = sglang_modules(tp_size=8, ep_size=ep_size, ep_dispatch_algorithm="static")
+    sg.location = location
+    return sg
 
 
 def _metadata(sg: SimpleNamespace, slot_to_logical: torch.Tensor, num_logical: int, ep_size: int) -> Any:
@@ -51,29 +52,14 @@ def _metadata(sg: SimpleNamespace, slot_to_logical: torch.Tensor, num_logical: i
                                                         logical_to_all_physical_map=everything, moe_ep_rank=0)
 
 
-def _select(sg: SimpleNamespace, config: Any, logits: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, ...]:
-    out = sg.topk.select_experts(hidden_states=torch.zeros(logits.shape[0], 4), router_logits=logits,
-                                 topk_config=config, layer_id=layer_id)
-    return out.topk_ids.clone(), out.topk_weights.clone()
-
-
 def run() -> dict[str, Any]:
     import oea
     from oea.integrations.sglang import placement
     from oea.routing import EPOEAConfig, ExpertPlacement, max_device_active_experts
 
-    warnings: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            warnings.append(record.getMessage())
-
-    logging.getLogger().addHandler(Collect(level=logging.WARNING))
-    checks: list[dict[str, Any]] = []
+    warnings = logged_warnings()
+    check = Checks()
     figures: dict[str, Any] = {}
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
 
     sg = _publish(EP)
     gen = torch.Generator().manual_seed(3)
@@ -95,15 +81,15 @@ def run() -> dict[str, Any]:
                                 routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=False)
     spec = oea.RouterSpec(E, TOP_K, "sigmoid", True, bias, 1, 1, 1.0)
     logits = torch.randn(16, E, generator=gen) * 2.0
-    stock = _select(sg, config, logits, 0)
+    stock = select(sg, config, logits, 0)
 
     os.environ.update({"OEA_K0": "3", "OEA_POLICY": "ep"})
     sg.plugins.load_plugins()
     for layer_id, device in expected.items():
-        with _in_mode(sg, "DECODE"):
-            routed = _select(sg, config, logits, layer_id)
+        with in_mode(sg, "DECODE"):
+            routed = select(sg, config, logits, layer_id)
         cfg = EPOEAConfig(3, ExpertPlacement(torch.tensor(device), EP))
-        check(f"decode_equals_ep_route:layer{layer_id}", *_same_routing(routed, oea.route(logits, spec, cfg)))
+        check(f"decode_equals_ep_route:layer{layer_id}", *same(routed, oea.route(logits, spec, cfg)))
         got = placement.CONFIGS.configs[layer_id].placement.device_of_expert.tolist()
         check(f"placement_read:layer{layer_id}", got == device, placement.CONFIGS.details[layer_id])
         plain = oea.route(logits, spec, oea.OEAConfig(3))
@@ -113,11 +99,11 @@ def run() -> dict[str, Any]:
                    "T_plain": int(oea.active_experts(*plain))}
         figures[f"glm5_layer{layer_id}"] = busiest
         check(f"busiest_not_raised:layer{layer_id}", busiest["ep"] <= busiest["plain"], str(busiest))
-        with _in_mode(sg, "EXTEND"):
-            check(f"extend_untouched:layer{layer_id}", *_identical(_select(sg, config, logits, layer_id), stock))
-    with _in_mode(sg, "DECODE"):
-        routed = _select(sg, config, logits, 2)
-    check("missing_experts_plain_oea", *_same_routing(routed, oea.route(logits, spec, oea.OEAConfig(3))))
+        with in_mode(sg, "EXTEND"):
+            check(f"extend_untouched:layer{layer_id}", *identical(select(sg, config, logits, layer_id), stock))
+    with in_mode(sg, "DECODE"):
+        routed = select(sg, config, logits, 2)
+    check("missing_experts_plain_oea", *same(routed, oea.route(logits, spec, oea.OEAConfig(3))))
     named = [w for w in warnings if "missing experts [9, 13]" in w and "layer 2 keeps plain OEA" in w]
     check("missing_experts_warned", len(named) == 1, named[0] if named else str(warnings[-3:]))
 
@@ -126,31 +112,26 @@ def run() -> dict[str, Any]:
     meta.update(_metadata(sg, torch.stack([permuted, permuted, trivial]), E, EP), update_layer_ids=[0])
     after = placement.CONFIGS.configs[0].placement.device_of_expert
     check("rebalance_refreshes_in_place", after is before and after.tolist() == expected[1], str(after[:8].tolist()))
-    with _in_mode(sg, "DECODE"):
-        routed = _select(sg, config, logits, 0)
+    with in_mode(sg, "DECODE"):
+        routed = select(sg, config, logits, 0)
     cfg = EPOEAConfig(3, ExpertPlacement(torch.tensor(expected[1]), EP))
-    check("decode_after_rebalance", *_same_routing(routed, oea.route(logits, spec, cfg)))
+    check("decode_after_rebalance", *same(routed, oea.route(logits, spec, cfg)))
 
     # TP = 8 without expert parallelism: EP-aware OEA asked for, plain OEA with one warning.
     sg.location.set_global_expert_location_metadata(_metadata(sg, trivial[:E].repeat(3, 1), E, 1), allow_overwrite=True)
-    with _in_mode(sg, "DECODE"):
-        routed = _select(sg, config, logits, 0)
-    check("tp8_without_ep_plain_oea", *_same_routing(routed, oea.route(logits, spec, oea.OEAConfig(3))))
+    with in_mode(sg, "DECODE"):
+        routed = select(sg, config, logits, 0)
+    check("tp8_without_ep_plain_oea", *same(routed, oea.route(logits, spec, oea.OEAConfig(3))))
     check("tp8_without_ep_warned", any("without expert parallelism" in w for w in warnings), str(warnings[-2:]))
 
     # DP attention with an all-to-all MoE backend: each DP rank routes its own rows, so EP-aware OEA per rank
     # would fill the same idle EP ranks; plain OEA with one warning.
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu", tp_size=8, ep_size=8, dp_size=2, enable_dp_attention=True,
-                       moe_a2a_backend="deepep", ep_dispatch_algorithm="static"), role="test",
-            ranks=SpawnRanks(world_rank=0, dp_rank=0))
+    publish_test_context(dp_rank=0, tp_size=8, ep_size=8, dp_size=2, enable_dp_attention=True,
+                         moe_a2a_backend="deepep", ep_dispatch_algorithm="static")
     sg.location.set_global_expert_location_metadata(_metadata(sg, trivial.repeat(3, 1), E, EP), allow_overwrite=True)
-    with _in_mode(sg, "DECODE"):
-        routed = _select(sg, config, logits, 0)
-    check("dp_attention_a2a_plain_oea", *_same_routing(routed, oea.route(logits, spec, oea.OEAConfig(3))))
+    with in_mode(sg, "DECODE"):
+        routed = select(sg, config, logits, 0)
+    check("dp_attention_a2a_plain_oea", *same(routed, oea.route(logits, spec, oea.OEAConfig(3))))
     named = [w for w in warnings if "DP-attention ranks route their own rows (moe_a2a_backend=deepep)" in w]
     check("dp_attention_a2a_warned", len(named) == 1, named[0] if named else str(warnings[-2:]))
     _publish(EP)
@@ -166,11 +147,11 @@ def run() -> dict[str, Any]:
     qconfig = sg.topk.TopKConfig(top_k=8, renormalize=True, torch_native=True)
     busiest = []
     for batch in make_batches(trace, 16, "mixed", 24, torch.Generator().manual_seed(5)):
-        with _in_mode(sg, "DECODE"):
-            ids, weights = _select(sg, qconfig, x[batch], 0)
+        with in_mode(sg, "DECODE"):
+            ids, weights = select(sg, qconfig, x[batch], 0)
         busiest.append(int(max_device_active_experts(ids.long(), weights, placement.CONFIGS.configs[0].placement)))
     figures["qwen3_ep8_layer0"] = sum(busiest) / len(busiest)
-    return {"checks": checks, "figures": figures, "spec_k": qspec.top_k}
+    return {"checks": check.records, "figures": figures, "spec_k": qspec.top_k}
 
 
 if __name__ == "__main__":

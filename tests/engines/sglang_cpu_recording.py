@@ -21,30 +21,18 @@ import os
 import sys
 from types import SimpleNamespace
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-
 import torch
-
-torch.set_num_threads(1)
-torch._dynamo.config.disable = True
+from sglang_check_support import select, sglang_modules
 
 E, TOP_K, LAYERS = 128, 8, 3
 FORWARDS = [("DECODE", 6), ("DECODE", 8), ("EXTEND", 7), ("DECODE", 8), ("DECODE", 5), ("DECODE", 8)]
 
 
 def main(mode: str, path: str) -> dict:
-    import sglang.srt.layers.moe.topk as topk
-    import sglang.srt.model_executor.forward_context as fc
-    import sglang.srt.plugins as plugins
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
     from oea.integrations.sglang import recording
 
-    reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu"), role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    sg = sglang_modules()
+    topk, fc, plugins, ForwardMode = sg.topk, sg.fc, sg.plugins, sg.ForwardMode
     os.environ["OEA_TRACE_FILE"] = path
     if mode == "oea":
         os.environ["OEA_K0"] = "3"
@@ -63,9 +51,8 @@ def main(mode: str, path: str) -> dict:
         routed = []
         with fc.forward_context(fc.ForwardContext(attn_backend=None), forward_batch=batch):
             for layer, x in enumerate(logits):
-                out = topk.select_experts(hidden_states=torch.zeros(rows, 4), router_logits=x, topk_config=config,
-                                          layer_id=layer)
-                routed.append({"ids": out.topk_ids.tolist(), "weights": out.topk_weights.tolist()})
+                ids, weights = select(sg, config, x, layer)
+                routed.append({"ids": ids.tolist(), "weights": weights.tolist()})
         forwards.append({"mode": mode_name, "rids": rids, "seq_lens": seq_lens.tolist(),
                          "logits": [x.tolist() for x in logits], "routed": routed})
     recorder = recording.TRACE.recorder

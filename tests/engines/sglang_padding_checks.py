@@ -24,12 +24,12 @@ captured for batch sizes 4, 8 and 16, then drives:
 
 from __future__ import annotations
 
-import logging
 import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from sglang_check_support import Checks, identical, logged_warnings, same, sglang_modules
 
 E, TOP_K, K0, LAYERS = 256, 8, 3, 4
 CAPTURE_BS = [4, 8, 16]
@@ -38,25 +38,22 @@ VOCAB = 100
 
 
 def _setup() -> SimpleNamespace:
-    import sglang.srt.layers.moe.topk as topk
+    """SGLang's modules, with a context whose CUDA-graph batch sizes are ``CAPTURE_BS``."""
     import sglang.srt.model_executor.cpu_graph_runner as cpu_graph_runner
-    import sglang.srt.model_executor.forward_context as fc
-    import sglang.srt.plugins as plugins
     from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs
 
-    reset_context()
     args = ServerArgs(model_path="dummy", device="cpu", cuda_graph_bs_decode=CAPTURE_BS)
     parse_cuda_graph_config(args)
-    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    return SimpleNamespace(topk=topk, fc=fc, plugins=plugins, cpu_graph_runner=cpu_graph_runner,
-                           LogitsProcessorOutput=LogitsProcessorOutput, CaptureHiddenMode=CaptureHiddenMode,
-                           ForwardBatch=ForwardBatch, ForwardMode=ForwardMode,
-                           DecodeCudaGraphRunner=DecodeCudaGraphRunner, get_parallel=get_parallel)
+    sg = sglang_modules(args)
+    sg.__dict__.update(cpu_graph_runner=cpu_graph_runner, LogitsProcessorOutput=LogitsProcessorOutput,
+                       CaptureHiddenMode=CaptureHiddenMode, ForwardBatch=ForwardBatch,
+                       DecodeCudaGraphRunner=DecodeCudaGraphRunner, get_parallel=get_parallel)
+    return sg
 
 
 class TinyMoE:
@@ -117,22 +114,6 @@ def _forward_raw(sg: SimpleNamespace, forward_batch: Any, run: Any) -> Any:
         return run()
 
 
-def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> tuple[bool, str]:
-    from oea.integrations.doctor_common import same_routing
-
-    ok = same_routing(a[0].long(), a[1].float(), b[0].long(), b[1].float())
-    return ok, "equal" if ok else "differ"
-
-
-def _identical(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> tuple[bool, str]:
-    ok = a[0].dtype == b[0].dtype and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    if ok:
-        return True, "bitwise identical"
-    same_ids = a[0].shape == b[0].shape and torch.equal(a[0].long(), b[0].long())
-    diff = (a[1].float() - b[1].float()).abs().max().item() if a[1].shape == b[1].shape else "shape"
-    return False, f"changed: dtypes {a[0].dtype}/{b[0].dtype}, ids equal {same_ids}, max weight diff {diff}"
-
-
 def _experts(ids: torch.Tensor, weights: torch.Tensor) -> set[int]:
     return set(ids[weights > 0].long().tolist())
 
@@ -141,14 +122,6 @@ def _vanilla(model: TinyMoE, logits: torch.Tensor) -> tuple[torch.Tensor, torch.
     """SGLang's own routing of these rows (outside any forward context: OEA does not touch it)."""
     out = model.layers[0](torch.zeros(logits.shape[0], 4), logits)
     return out.topk_ids.clone(), out.topk_weights.clone()
-
-
-class Checks:
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def __call__(self, name: str, ok: bool, detail: str) -> None:
-        self.records.append({"name": name, "ok": bool(ok), "detail": detail})
 
 
 def _graph_runner_replays(sg: SimpleNamespace, model: TinyMoE, check: Checks) -> list[dict[str, Any]]:
@@ -175,10 +148,10 @@ def _graph_runner_replays(sg: SimpleNamespace, model: TinyMoE, check: Checks) ->
         joined = oea.route(logits, model.spec(), cfg)  # what OEA would do if padding rows joined the union
         padding_experts = 0
         for layer, (ids, weights) in enumerate(recorded["layers"]):
-            check(f"replay{step}_real_rows_equal_oea_route:layer{layer}", *_same((ids[:real], weights[:real]),
+            check(f"replay{step}_real_rows_equal_oea_route:layer{layer}", *same((ids[:real], weights[:real]),
                                                                                expected))
             check(f"replay{step}_padding_rows_keep_sglang_routing:layer{layer}",
-                  *_identical((ids[real:], weights[real:]), (vanilla[0][real:], vanilla[1][real:])))
+                  *identical((ids[real:], weights[real:]), (vanilla[0][real:], vanilla[1][real:])))
             padding_experts += len(_experts(ids[:real], weights[:real]) - _experts(*expected))
         check(f"replay{step}_fills", STATE.padding_fills - fills == 1,
               f"{STATE.padding_fills - fills} write(s) of the count for {LAYERS} routed layers")
@@ -202,29 +175,31 @@ def _eager_decode(sg: SimpleNamespace, model: TinyMoE, check: Checks) -> None:
     recorded = model.forwards[-1]
     expected = oea.route(recorded["logits"], model.spec(), oea.OEAConfig(K0))
     for layer, routed in enumerate(recorded["layers"]):
-        check(f"eager_decode_all_rows_equal_oea_route:layer{layer}", *_same(routed, expected))
+        check(f"eager_decode_all_rows_equal_oea_route:layer{layer}", *same(routed, expected))
     check("eager_decode_fills", STATE.padding_fills - fills == 1, f"{STATE.padding_fills - fills} write(s)")
 
 
-def _cuda_runner_stand_in(sg: SimpleNamespace) -> Any:
-    """A ``DecodeCudaGraphRunner`` object with the state its real ``load_batch`` reads (plain TP, no
-    speculative decoding, no LoRA, no DP): capture sizes, persistent input buffers, no-op attention prep."""
+def cuda_runner_stand_in(sg: SimpleNamespace, mode: Any, capture_bs: list[int], width: int = 1) -> Any:
+    """A ``DecodeCudaGraphRunner`` object whose graphs were captured for forward ``mode``, ``width`` tokens per
+    request, request counts ``capture_bs``: the state its real ``load_batch`` reads (plain TP, no LoRA, no DP,
+    no speculative worker), persistent input buffers, no-op attention preparation."""
     runner = object.__new__(sg.DecodeCudaGraphRunner)
-    buffers = SimpleNamespace(num_token_non_padded=None, input_ids=torch.zeros(16, dtype=torch.int64),
-                              positions=torch.zeros(16, dtype=torch.int64))
+    rows = max(capture_bs) * width
+    buffers = SimpleNamespace(num_token_non_padded=None, input_ids=torch.zeros(rows, dtype=torch.int64),
+                              positions=torch.zeros(rows, dtype=torch.int64))
 
     def fill_from(forward_batch: Any, *, raw_bs: int, padded_bs: int, raw_num_tokens: int, **_: Any) -> None:
         buffers.input_ids[:raw_num_tokens].copy_(forward_batch.input_ids)  # padding rows keep stale ids
 
     state = dict(dllm_uses_input_embeds=False, dllm_input_preparation=None, ragged_verify_mode=False,
                  deepep_adapter=SimpleNamespace(replay=lambda: None), capture_hidden_mode=sg.CaptureHiddenMode.NULL,
-                 require_mlp_tp_gather=False, capture_bs=CAPTURE_BS, captured_req_width=1,
+                 require_mlp_tp_gather=False, capture_bs=capture_bs, captured_req_width=width,
                  attention_graph_variants=None, _early_verify_metadata=None, _metadata_glue=None,
                  buffer_registry=SimpleNamespace(fill_from=fill_from), _skips_prefilled_inputs=False,
                  _prefilled_inputs=None, buffers=buffers, enable_two_batch_overlap=False,
                  _init_replay_attn_metadata=lambda *a, **k: None, _draft_metadata_glue=False,
                  _target_metadata_glue=False, record_nolora_graph=False, enable_pdmux=False,
-                 capture_forward_mode=sg.ForwardMode.DECODE,
+                 capture_forward_mode=mode,
                  model_runner=SimpleNamespace(spec_algorithm=SimpleNamespace(is_dflash_family=lambda: False),
                                               is_draft_worker=False, hisparse_coordinator=None))
     for name, value in state.items():
@@ -239,7 +214,7 @@ def _cuda_replays(sg: SimpleNamespace, model: TinyMoE, check: Checks) -> None:
     import oea
     from oea.integrations.sglang.state import STATE
 
-    runner = _cuda_runner_stand_in(sg)
+    runner = cuda_runner_stand_in(sg, sg.ForwardMode.DECODE, CAPTURE_BS)
     layer = model.layers[0]
     logits = model.table[torch.arange(16) % VOCAB]  # rows past each batch: stale inputs
     capture_batch = SimpleNamespace(forward_mode=sg.ForwardMode.DECODE, input_ids=torch.zeros(16, dtype=torch.int64),
@@ -269,9 +244,9 @@ def _cuda_replays(sg: SimpleNamespace, model: TinyMoE, check: Checks) -> None:
                       f"raw_num_token {runner.raw_num_token}, bs {runner.bs}")
                 check(f"cuda_load_batch{step}_fills", STATE.padding_fills - fills == 1,
                       f"{STATE.padding_fills - fills} write(s) over two load_batch calls")
-                check(f"cuda_replay{step}_real_rows_equal_oea_route", *_same((ids[:real], weights[:real]), expected))
+                check(f"cuda_replay{step}_real_rows_equal_oea_route", *same((ids[:real], weights[:real]), expected))
                 check(f"cuda_replay{step}_padding_rows_keep_sglang_routing",
-                      *_identical((ids[real:], weights[real:]), (vanilla[0][real:], vanilla[1][real:])))
+                      *identical((ids[real:], weights[real:]), (vanilla[0][real:], vanilla[1][real:])))
             check("cuda_replays_one_compiled_graph", counters["stats"]["unique_graphs"] == graphs,
                   f"graphs {graphs} -> {counters['stats']['unique_graphs']} (a recompile would re-run the plugin)")
 
@@ -284,7 +259,7 @@ def _sglang_count_wins(sg: SimpleNamespace, model: TinyMoE, check: Checks) -> No
                             moe_num_token_non_padded=lambda: torch.tensor(10, dtype=torch.int32))
     with sg.fc.forward_context(sg.fc.ForwardContext(attn_backend=None), forward_batch=batch):
         out = model.layers[0](torch.zeros(16, 4), logits)
-    check("sglang_count_used_where_given", *_same((out.topk_ids[:10], out.topk_weights[:10]),
+    check("sglang_count_used_where_given", *same((out.topk_ids[:10], out.topk_weights[:10]),
                                                   oea.route(logits[:10], model.spec(), oea.OEAConfig(K0))))
 
 
@@ -316,13 +291,7 @@ def run_padding_missing() -> dict[str, Any]:
     from oea.integrations import sglang as plugin
     from oea.integrations.sglang import padding
 
-    records: list[str] = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger().addHandler(_Collect(level=logging.WARNING))
+    records = logged_warnings()
     os.environ["OEA_K0"] = str(K0)
     padding.DECODE_REPLAY_TARGET += "_renamed_in_a_future_sglang"
     padding.CPU_REPLAY_TARGET += "_renamed_in_a_future_sglang"
@@ -343,7 +312,7 @@ def run_padding_missing() -> dict[str, Any]:
     recorded = model.forwards[-1]
     joined = oea.route(recorded["logits"], model.spec(), oea.OEAConfig(K0))  # today's behaviour: all 16 rows
     for layer, routed in enumerate(recorded["layers"]):
-        check(f"missing_replay_hook_todays_behaviour:layer{layer}", *_same(routed, joined))
+        check(f"missing_replay_hook_todays_behaviour:layer{layer}", *same(routed, joined))
     warned = [r for r in records if "replay hook point" in r]
     check("missing_replay_hook_warned_once_with_workaround", len(warned) == 1 and "--disable-cuda-graph-padding"
           in warned[0] and padding.DECODE_REPLAY_TARGET in warned[0], f"{warned}")

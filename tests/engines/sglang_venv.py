@@ -9,18 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_venvs import ROOT, VENVS, engine_python
 
-ROOT = Path(__file__).resolve().parents[2]
-SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
-SGLANG_OEA = ROOT / ".venv-sglang" / "bin" / "oea"
+SGLANG_PYTHON = VENVS["sglang"][0]
+SGLANG_OEA = SGLANG_PYTHON.parent / "oea"
 CHECKS = ROOT / "tests" / "engines" / "sglang_cpu_checks.py"
+SGLANG_VERSION = "0.5.23"  # the release the checks scripts drive (scripts/install_sglang_cpu.sh installs it)
 
 
 def _run(argv: list[str], extra_env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
-    """``argv`` with a clean ``OEA_*``/``SGLANG_*`` environment; fails (never skips) when .venv-sglang is
-    missing: ``make test`` creates it first."""
-    if not Path(argv[0]).exists():
-        pytest.fail(f"{argv[0]} is missing: run `bash scripts/install_sglang_cpu.sh` (make test does)")
+    """``argv`` with a clean ``OEA_*``/``SGLANG_*`` environment (a missing .venv-sglang: ``engine_python``)."""
+    engine_python("sglang")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OEA_", "SGLANG_"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     env.update(extra_env or {})
@@ -69,3 +68,20 @@ def run_script_json(script: Path, args: list[str], extra_env: dict[str, str] | N
         return proc, json.loads(proc.stdout)
     except json.JSONDecodeError:
         return proc, None
+
+
+def checks_fixture(mode: str, name: str | None = None) -> Any:
+    """A module-scoped fixture (called ``name``, default ``mode``): the report of ``passed_checks(mode)``, so that
+    each checks script runs once per test module."""
+
+    def report() -> dict[str, Any]:
+        return passed_checks(mode)
+
+    return pytest.fixture(scope="module", name=name or mode)(report)
+
+
+def assert_every_check_passed(report: dict[str, Any]) -> None:
+    """No check of ``report`` failed, and the checks ran on ``SGLANG_VERSION``."""
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert not failed, failed
+    assert report["sglang_version"] == SGLANG_VERSION

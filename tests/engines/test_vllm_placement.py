@@ -7,7 +7,7 @@ logits, routing outside an engine step)."""
 from __future__ import annotations
 
 import pytest
-from vllm_env import run_vllm_checks
+from vllm_env import checks_fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -103,11 +103,14 @@ out["outside_step_stock"] = torch.equal(w, stock_w) and torch.equal(ids, stock_i
 # EPLB rebalances: the wrapped EplbState method rereads the placement into the same tensor.
 before = placement.config_for(0).placement.device_of_expert
 layers[0].expert_map_manager = manager(128, 8, "round_robin", groups=8)  # the engine's map changes
-# vLLM's own rearrange needs a running engine: the wrapper is called with a stand-in for it (its default
-# argument), so what is tested is that the wrapper rereads the placements after the original returns.
+# vLLM's own rearrange needs a running engine: the wrapper calls a stand-in for it (in place of the original it
+# keeps as __wrapped__), so what is tested is that the wrapper rereads the placements after the original returns.
 placement.install_rebalance_hook()
 changed_log = []
-EplbState.__dict__["rearrange"](object(), _original=lambda self: changed_log.append("rearranged"))
+hooked = EplbState.__dict__["rearrange"]
+vllms_rearrange, hooked.__wrapped__ = hooked.__wrapped__, lambda self: changed_log.append("rearranged")
+hooked(object())
+hooked.__wrapped__ = vllms_rearrange
 changed = changed_log
 out["refresh"] = {"same_tensor": placement.config_for(0).placement.device_of_expert is before,
                   "device": placement.config_for(0).placement.device_of_expert.tolist(), "calls": changed,
@@ -140,9 +143,7 @@ print("RESULT" + json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def result() -> dict:
-    return run_vllm_checks(CHECKS)
+result = checks_fixture(CHECKS)
 
 
 def test_linear_and_round_robin_placements_are_vllms_own(result: dict) -> None:

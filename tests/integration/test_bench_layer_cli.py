@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
+from project_scripts import load_script
 
 import oea
 from oea.cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--preset", "embedded", "--trace", "qwen3-30b-a3b", "--threads", "1", "--repeats", "2", "--warmup", "0",
         "--weight-copies", "2"]
 
@@ -22,13 +20,6 @@ def _restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_json_rows_fit_and_plot(tmp_path, capsys):
@@ -73,7 +64,7 @@ def test_batch_larger_than_the_trace_pool(tmp_path, capsys):
 
 
 def test_preset_too_large_for_memory(monkeypatch, capsys):
-    from oea.bench import layer
+    from oea.bench.layer import run as layer
 
     monkeypatch.setattr(layer, "available_memory_bytes", lambda device: 4 * 2**30)
     assert main(["bench", "layer", "--preset", "qwen3-235b-a22b", "--repeats", "1"]) == 2
@@ -81,7 +72,7 @@ def test_preset_too_large_for_memory(monkeypatch, capsys):
 
 
 def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch, capsys):
-    gpu_check = _gpu_check()
+    gpu_check = load_script("gpu_check")
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check.main(["--device", "cpu", "--dry-run", "--threads", "1", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
@@ -93,7 +84,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch, capsys):
 
 
 def test_gpu_check_arguments_and_the_comparison_detects_differences():
-    gpu_check = _gpu_check()
+    gpu_check = load_script("gpu_check")
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--device", "cpu"])  # CPU only as a dry run
     assert gpu_check.parse_args([]).repeats == 200

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_capture_records_one_router_call_per_step_and_round_trips(family: str, tmp_path: pathlib.Path) -> None:
-    from oea.models.testing import tiny_moe
+    from oea.testing import tiny_moe
 
     model = tiny_moe(family, num_experts=16, top_k=4)
     prompts = [[(7 * i + j) % 256 for j in range(6)] for i in range(4)]
@@ -32,7 +32,7 @@ def test_capture_records_one_router_call_per_step_and_round_trips(family: str, t
 
 
 def test_recorded_logits_are_the_routers_logits_for_the_decoded_tokens() -> None:
-    from oea.models.testing import tiny_moe
+    from oea.testing import tiny_moe
 
     model = tiny_moe("qwen3_moe", num_experts=16, top_k=4)
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6]]
@@ -69,8 +69,8 @@ def test_document_prompts_take_distinct_documents_and_fail_clearly() -> None:
 
 
 def test_a_captured_grouped_sigmoid_trace_replays_through_the_simulator() -> None:
-    from oea.models.testing import tiny_moe
     from oea.sim import simulate
+    from oea.testing import tiny_moe
 
     model = tiny_moe("deepseek_v3", num_experts=16, top_k=4)
     prompts = [[(5 * i + j) % 256 for j in range(5)] for i in range(6)]

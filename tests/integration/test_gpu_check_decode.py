@@ -3,28 +3,23 @@ CPU, the pass/fail rule and that a failing decode run is reported without losing
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from project_scripts import load_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_decode", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def test_gpu_settings_are_the_issue_s(gpu_check) -> None:
-    from oea.bench.decode_step import resolve_graph_mode
+    from oea.bench.decode.step import resolve_graph_mode
 
     [(label, config)] = gpu_check.decode_configs("cuda", dry_run=False, threads=2)
     assert "qwen3-30b-a3b" in label
@@ -50,7 +45,7 @@ def test_dry_run_on_cpu_and_the_pass_rule(gpu_check) -> None:
 
 
 def test_a_failing_decode_run_is_reported(gpu_check, monkeypatch, tmp_path, capsys) -> None:
-    import oea.bench.decode as decode
+    import oea.bench.decode.run as decode
 
     def boom(_config):
         raise RuntimeError("CUDA error: out of memory")

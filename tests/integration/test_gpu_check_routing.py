@@ -1,26 +1,19 @@
 """The CPU side of ``scripts/gpu_check.py``'s step 0 (the fast routing kernel on a GPU): the settings it runs
-there, the dry run on CPU (numba instead of Triton, no graphs) and its pass rule. No GPU was lent to the
-session that wrote it: the CUDA run itself has not been done."""
+there, the dry run on CPU (numba instead of Triton, no graphs) and its pass rule. The CUDA run itself is step 0
+of ``scripts/gpu_check.sh`` on a GPU; these tests do not stand in for it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from project_scripts import load_script
 
 import oea
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def step():
-    spec = importlib.util.spec_from_file_location("gpu_check_routing", ROOT / "scripts" / "gpu_check_routing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check_routing")
 
 
 def _eager(fn, *static):

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from oea.eval.lm_eval_bridge import run_lm_eval  # noqa: E402
-from oea.models import heldout_documents, load_embedded  # noqa: E402
+from oea.models import heldout_documents  # noqa: E402
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
@@ -43,11 +43,6 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         "metadata:\n  version: 1.0\n"
     )
     return directory
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    return load_embedded()
 
 
 def _run(embedded, task_dir, **kwargs):

@@ -12,16 +12,11 @@ pytest.importorskip("transformers")
 
 import oea  # noqa: E402
 from oea.eval.lm_eval_bridge import step_samples  # noqa: E402
-from oea.models import heldout_documents, load_embedded  # noqa: E402
+from oea.models import heldout_documents  # noqa: E402
 from oea.stats import mean_interval  # noqa: E402
 
 torch.set_num_threads(1)
 ROWS, NEW_TOKENS = 4, 6
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    return load_embedded()
 
 
 def _generate(embedded, cfg):

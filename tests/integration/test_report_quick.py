@@ -41,6 +41,20 @@ def test_report_writes_markdown_plots_and_results(quick_report) -> None:
     assert "wrote" in done.stdout and "Qwen3-30B-A3B trace" in done.stdout
 
 
+def test_report_shows_the_whole_decode_step_beside_the_moe_layer(quick_report) -> None:
+    out, done = quick_report
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = (out / "report.md").read_text()
+    step = text[text.index("### 4.1 The whole decode step (qwen3-30b-a3b on h100-sxm)"):text.index("## 5. Roofline")]
+    assert "2048 cached tokens per request" in step and "upper bounds" in step
+    rows = {r["batch_size"]: r for r in json.loads((out / "results.json").read_text())["results"]["latency_step"]}
+    assert sorted(rows) == [1, 4, 16]  # the quick sizes
+    r = rows[16]
+    assert (r["model"], r["gpu"], r["tp"]) == ("qwen3-30b-a3b", "h100-sxm", 1)
+    assert 0.5 < r["moe_share_of_step"] < 1 and 0 < r["predicted_step_gain_k0_3"] < r["predicted_gain_k0_3"]
+    assert f"| 16 | {r['step_attention_us']:.0f} |" in step and f"{100 * r['moe_share_of_step']:.0f}%" in step
+
+
 def test_report_states_missing_capture_or_quality_visibly(quick_report) -> None:
     out, _ = quick_report
     text = (out / "report.md").read_text()

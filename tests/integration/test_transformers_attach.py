@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 import oea  # noqa: E402
 from oea.integrations.transformers import OEAHandle, attach, find_moe_layers  # noqa: E402
-from oea.models.testing import TINY_FAMILIES, tiny_moe  # noqa: E402
 from oea.routing import OEAConfig, PrunedConfig  # noqa: E402
+from oea.testing import TINY_FAMILIES, tiny_moe  # noqa: E402
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*attention mask.*")
@@ -229,6 +229,23 @@ def test_min_batch_keeps_small_batches_vanilla() -> None:
         assert torch.equal(_generate(model, prompt), baseline)
         stats = handle.stats()
     assert stats[0]["mean_experts_per_token"] == TOP_K
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_below_min_batch_decode_steps_are_the_models_own_bit_for_bit(family: str) -> None:
+    """Rows below min_batch keep the router's own output, not a recomputation with other weight rounding: the
+    per-token losses of oea eval's lock-step decode equal vanilla's exactly (its "identical" verdict)."""
+    from oea.eval.decode import DecodeCounts, lockstep_cross_entropy
+
+    model = tiny_moe(family, top_k=TOP_K)
+    ids = torch.randint(1, 256, (1, PROMPT + NEW), generator=torch.Generator().manual_seed(7))
+    with attach(model, None) as vanilla:
+        want = lockstep_cross_entropy(model, ids, PROMPT, vanilla, DecodeCounts())
+    counts = DecodeCounts()
+    with attach(model, OEAConfig(k0=1, min_batch=2)) as handle:
+        got = lockstep_cross_entropy(model, ids, PROMPT, handle, counts)
+    assert torch.equal(got, want)
+    assert counts.mean_experts_per_token == TOP_K and counts.layer_steps > 0
 
 
 def test_decode_only_false_reroutes_prefill_too() -> None:

@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 from torch._dynamo.utils import counters  # noqa: E402
 
 from oea.integrations.transformers import attach  # noqa: E402
-from oea.models.testing import tiny_moe  # noqa: E402
 from oea.routing import OEAConfig  # noqa: E402
+from oea.testing import tiny_moe  # noqa: E402
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*attention mask.*")

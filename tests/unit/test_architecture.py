@@ -2,7 +2,8 @@
 
 Every ``import`` in ``src/oea`` (and every ``importlib.import_module("literal")``) is read with its
 place: at module level (runs on import) or inside a function (lazy). Imports under
-``if TYPE_CHECKING:`` never run and are ignored. Temporary exceptions are named below with the
+``if TYPE_CHECKING:`` never run: only the cycle rule counts them (a type named across two modules
+still ties them together). Temporary exceptions are named below with the
 work that removes them; an exception that no longer applies fails the test, so the lists only shrink.
 """
 
@@ -12,6 +13,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -23,10 +25,14 @@ MAX_LINES = 450
 ENGINES = frozenset({"vllm", "sglang", "transformers", "lm_eval"})
 FILE_IO_MODULES = frozenset({"os", "io", "pathlib", "shutil", "tempfile", "glob", "subprocess", "socket", "urllib",
                              "http", "sqlite3", "pickle", "shelve"})
-TOOLS = ("oea.traces", "oea.sim", "oea.eval", "oea.bench", "oea.tuning", "oea.launch", "oea.report")
+TOOLS = ("oea.traces", "oea.sim", "oea.eval", "oea.bench", "oea.tuning", "oea.launch", "oea.report", "oea.soak")
 TOP_CLI = frozenset({"oea.cli", "oea.__main__"})
+# The foundation: modules (or packages) that import nothing of the project outside themselves.
+FOUNDATION = ("oea.stats", "oea.console", "oea.testing", "oea.presets", "oea.trace_schema")
 # What the engine adapters may import of the project besides their own package and the ``oea`` facade.
-ADAPTER_MAY_IMPORT = ("oea.routing", "oea.kernels", "oea.config", "oea.stats", "oea.models.testing")
+ADAPTER_MAY_IMPORT = ("oea.routing", "oea.kernels", "oea.config", *FOUNDATION)
+# Import paths user code has (module -> where its names live); nothing in the project imports them.
+KEPT_PATHS = {"oea.sim.presets": "oea.presets", "oea.models.testing": "oea.testing"}
 # Third-party modules the kernels may import, and only inside functions (torch may be imported anywhere).
 KERNEL_LAZY_IMPORTS = frozenset({"numba", "numpy", "triton"})
 
@@ -74,12 +80,13 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports_of(module: str, path: pathlib.Path) -> tuple[list[Import], list[int]]:
-    """Runtime imports of one file, and the lines where it calls the builtin ``open``."""
+def _imports_of(module: str, path: pathlib.Path) -> tuple[list[Import], list[int], list[Import]]:
+    """Runtime imports of one file, the lines where it calls the builtin ``open``, and its type-only imports."""
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
     found: list[Import] = []
     opens: list[int] = []
+    typing_only: list[Import] = []
 
     def add(name: str, line: int, lazy: bool) -> None:
         found.append(Import(module, name, _resolve(name) if name.split(".")[0] == "oea" else None, line, lazy))
@@ -89,6 +96,11 @@ def _imports_of(module: str, path: pathlib.Path) -> tuple[list[Import], list[int
             if isinstance(child, ast.If) and _is_type_checking(child):
                 for stmt in child.orelse:
                     visit(stmt, lazy)
+                before = len(found)
+                for stmt in child.body:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), lazy)
+                typing_only.extend(found[before:])
+                del found[before:]
                 continue
             inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
@@ -114,13 +126,14 @@ def _imports_of(module: str, path: pathlib.Path) -> tuple[list[Import], list[int
             visit(child, inner)
 
     visit(ast.parse(path.read_text(), filename=str(path)), False)
-    return found, opens
+    return found, opens, typing_only
 
 
 IMPORTS: dict[str, list[Import]] = {}
 OPEN_CALLS: dict[str, list[int]] = {}
+TYPE_IMPORTS: dict[str, list[Import]] = {}
 for _name, _path in MODULES.items():
-    IMPORTS[_name], OPEN_CALLS[_name] = _imports_of(_name, _path)
+    IMPORTS[_name], OPEN_CALLS[_name], TYPE_IMPORTS[_name] = _imports_of(_name, _path)
 
 
 def _within(module: str, prefix: str) -> bool:
@@ -136,10 +149,10 @@ def _where(imp: Import) -> str:
     return f"{MODULES[imp.importer].relative_to(SRC)}:{imp.line} imports {imp.name}"
 
 
-def _project_edges(lazy: bool) -> dict[str, set[str]]:
+def _project_edges(lazy: bool, typing_only: bool = False) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in MODULES}
     for name, imports in IMPORTS.items():
-        for imp in imports:
+        for imp in [*imports, *(TYPE_IMPORTS[name] if typing_only else ())]:
             if imp.module is not None and imp.module != name and (lazy or not imp.lazy):
                 graph[name].add(imp.module)
     return graph
@@ -188,26 +201,30 @@ def test_the_scan_sees_the_package():
     names = {imp.name for imp in IMPORTS["oea.report.build"]}
     assert "oea.report.sections" in names and not any(imp.lazy for imp in IMPORTS["oea.report.build"]
                                                        if imp.name == "oea.report.sections")
-    assert any(imp.lazy and imp.module == "oea.bench.layer" for imp in IMPORTS["oea.bench.layer_cli"])
+    assert any(imp.lazy and imp.module == "oea.bench.layer.run" for imp in IMPORTS["oea.bench.layer.cli"])
+
+
+def _imports_within(package: str) -> Iterator[tuple[str, Import, str]]:
+    """(module, import, top-level name imported) for every import of every module of ``package``."""
+    for name, imports in IMPORTS.items():
+        if _within(name, package):
+            for imp in imports:
+                yield name, imp, imp.name.split(".")[0]
 
 
 def test_routing_core_imports_no_other_project_module_no_engine_and_no_file_io():
     problems = []
-    for name, imports in IMPORTS.items():
-        if not _within(name, "oea.routing"):
-            continue
-        for imp in imports:
-            top = imp.name.split(".")[0]
-            if imp.module is not None and not _within(imp.module, "oea.routing"):
-                problems.append(f"{_where(imp)} (the core imports nothing else of oea)")
-            elif top in ENGINES:
-                problems.append(f"{_where(imp)} (no engine in the core)")
-            elif top in FILE_IO_MODULES and (name, top) not in ROUTING_IO_ALLOWANCES:
-                problems.append(f"{_where(imp)} (no file I/O in the core)")
-            elif top not in sys.stdlib_module_names and top not in {"torch", "oea"}:
-                problems.append(f"{_where(imp)} (the core needs only torch)")
-        problems += [f"{MODULES[name].relative_to(SRC)}:{line} calls open() (no file I/O in the core)"
-                     for line in OPEN_CALLS[name]]
+    for name, imp, top in _imports_within("oea.routing"):
+        if imp.module is not None and not _within(imp.module, "oea.routing"):
+            problems.append(f"{_where(imp)} (the core imports nothing else of oea)")
+        elif top in ENGINES:
+            problems.append(f"{_where(imp)} (no engine in the core)")
+        elif top in FILE_IO_MODULES and (name, top) not in ROUTING_IO_ALLOWANCES:
+            problems.append(f"{_where(imp)} (no file I/O in the core)")
+        elif top not in sys.stdlib_module_names and top not in {"torch", "oea"}:
+            problems.append(f"{_where(imp)} (the core needs only torch)")
+    problems += [f"{MODULES[name].relative_to(SRC)}:{line} calls open() (no file I/O in the core)"
+                 for name in MODULES if _within(name, "oea.routing") for line in OPEN_CALLS[name]]
     assert not problems, "\n".join(problems)
 
 
@@ -219,27 +236,25 @@ def _imported_lazily_only(module: str) -> bool:
 
 def test_kernels_import_only_the_core_and_load_numba_or_triton_lazily():
     problems = []
-    for name, imports in IMPORTS.items():
-        if not _within(name, "oea.kernels"):
-            continue
-        for imp in imports:
-            top = imp.name.split(".")[0]
-            if imp.module is not None and not any(_within(imp.module, ok) for ok in ("oea.routing", "oea.kernels")):
-                problems.append(f"{_where(imp)} (kernels import only oea.routing)")
-            elif top in ENGINES:
-                problems.append(f"{_where(imp)} (no engine in the kernels)")
-            elif top in KERNEL_LAZY_IMPORTS and not imp.lazy and not _imported_lazily_only(name):
-                problems.append(f"{_where(imp)} ({top} is imported inside functions only, or by a module "
-                                f"that the project itself imports only inside functions)")
-            elif top not in sys.stdlib_module_names and top not in KERNEL_LAZY_IMPORTS | {"torch", "oea"}:
-                problems.append(f"{_where(imp)} (kernels need only torch, numba, numpy, triton)")
+    for name, imp, top in _imports_within("oea.kernels"):
+        if imp.module is not None and not any(_within(imp.module, ok) for ok in ("oea.routing", "oea.kernels")):
+            problems.append(f"{_where(imp)} (kernels import only oea.routing)")
+        elif top in ENGINES:
+            problems.append(f"{_where(imp)} (no engine in the kernels)")
+        elif top in KERNEL_LAZY_IMPORTS and not imp.lazy and not _imported_lazily_only(name):
+            problems.append(f"{_where(imp)} ({top} is imported inside functions only, or by a module "
+                            f"that the project itself imports only inside functions)")
+        elif top not in sys.stdlib_module_names and top not in KERNEL_LAZY_IMPORTS | {"torch", "oea"}:
+            problems.append(f"{_where(imp)} (kernels need only torch, numba, numpy, triton)")
     assert not problems, "\n".join(problems)
 
 
 def test_foundation_modules_import_nothing_of_the_project():
-    for name in ("oea.stats", "oea.console", "oea.models.testing"):
-        project = [_where(imp) for imp in IMPORTS[name] if imp.module is not None]
-        assert not project, f"{name} must stay importable on its own: " + "; ".join(project)
+    for package in FOUNDATION:  # a package's files may import each other
+        for name in (m for m in MODULES if _within(m, package)):
+            project = [_where(imp) for imp in IMPORTS[name] if imp.module is not None
+                       and not _within(imp.module, package)]
+            assert not project, f"{name} must stay importable on its own: " + "; ".join(project)
 
 
 def test_adapters_import_no_tool_and_no_cli():
@@ -292,10 +307,12 @@ def test_no_tool_imports_the_report():
 
 
 def test_core_config_and_facade_import_only_downwards():
-    below_tools = {"oea.config": ("oea.routing",), "oea": ("oea.routing", "oea.kernels", "oea.integrations")}
+    below_tools = {"oea.config": ("oea.routing", "oea.config"),
+                   "oea": ("oea.routing", "oea.kernels", "oea.integrations")}
     problems = []
     for name, allowed in below_tools.items():
-        for imp in IMPORTS[name]:
+        for imp in [imp for module in IMPORTS if _within(module, name) and (name != "oea" or module == "oea")
+                    for imp in IMPORTS[module]]:
             if imp.module is not None and not any(_within(imp.module, ok) for ok in allowed):
                 problems.append(f"{_where(imp)} (allowed: {list(allowed)})")
             if name == "oea" and imp.module is not None and _within(imp.module, "oea.integrations") and not imp.lazy:
@@ -316,9 +333,10 @@ def test_importing_oea_and_building_the_cli_loads_no_engine():
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["module-level imports", "all imports"])
-def test_no_import_cycles(lazy):
-    cycles = find_cycles(_project_edges(lazy))
+@pytest.mark.parametrize(("lazy", "typing_only"), [(False, False), (True, False), (True, True)],
+                         ids=["module-level imports", "all imports", "all imports and type-only imports"])
+def test_no_import_cycles(lazy, typing_only):
+    cycles = find_cycles(_project_edges(lazy, typing_only))
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
@@ -334,3 +352,79 @@ def test_no_file_in_the_package_is_over_the_line_limit():
     assert not over, f"split these files (limit {MAX_LINES} lines): {over}"
     stale = sorted(name for name in SIZE_ALLOWANCES if sizes.get(name, 0) <= MAX_LINES)
     assert not stale, f"these files are gone or small enough now: remove them from SIZE_ALLOWANCES: {stale}"
+
+
+def _only_re_exports(node: ast.stmt, home: str) -> bool:
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # the docstring
+        return True
+    if isinstance(node, ast.ImportFrom):
+        return node.module == home
+    return isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+
+
+def test_kept_import_paths_only_re_export_and_nothing_in_the_project_imports_them():
+    problems = []
+    for kept, home in KEPT_PATHS.items():
+        if not all(_only_re_exports(node, home) for node in ast.parse(MODULES[kept].read_text()).body):
+            problems.append(f"{kept} must only re-export {home}'s names")
+        problems += [f"{_where(imp)} (import {home} instead)" for imports in IMPORTS.values() for imp in imports
+                     if imp.module == kept and imp.importer != kept]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_trace_format_is_declared_once():
+    """The format's names and field lists are written in ``oea.trace_schema`` only; ``oea.traces`` and the
+    engines' recorder import them (a literal copy elsewhere could drift from the format)."""
+    import oea.trace_schema as schema
+
+    strings = {schema.FORMAT_NAME, schema.PAD_PREFIX}
+    lists = {schema.SPEC_FIELDS, schema.TENSOR_NAMES, schema.INTEGER_NAMES, schema.FORMAT_KEYS}
+    problems = []
+    for module, path in MODULES.items():
+        if module == "oea.trace_schema":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {id(k.value) for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg == "name"}  # a thread's
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in strings and id(node) not in names:
+                problems.append(f"{path.relative_to(SRC)}:{node.lineno} writes {node.value!r}")
+            elif isinstance(node, (ast.Tuple, ast.List)) and all(isinstance(e, ast.Constant) for e in node.elts):
+                values = tuple(e.value for e in node.elts)
+                if values in lists:
+                    problems.append(f"{path.relative_to(SRC)}:{node.lineno} writes {values}")
+    assert not problems, "use the names of oea.trace_schema:\n" + "\n".join(problems)
+
+
+def _code_names(tree: ast.AST) -> set[str]:
+    """Identifiers, attributes and string constants of a module's code (docstrings left out)."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names.add(node.value)
+    return names
+
+
+def test_the_per_batch_size_rule_is_read_in_the_core_only():
+    """``batch_k0`` (a layer file's k0 by batch size) is resolved by ``oea.routing.LayerConfigs``: no adapter
+    reads it, so every engine routes a batch size the same way."""
+    found = [str(MODULES[name].relative_to(SRC)) for name in MODULES if _within(name, "oea.integrations")
+             and "batch_k0" in _code_names(ast.parse(MODULES[name].read_text()))]
+    assert not found, f"batch_k0 is read in the core (oea.routing) only, not in: {found}"
+
+
+@pytest.mark.parametrize("package", ["oea.integrations", "oea.integrations.vllm", "oea.integrations.sglang",
+                                     "oea.integrations.transformers"])
+def test_each_adapter_package_docstring_lists_its_modules(package):
+    doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+    members = sorted({name.split(".")[len(package.split("."))] for name in MODULES
+                      if name.startswith(package + ".")} - {"__main__"})
+    missing = [m for m in members if f"``{m}``" not in doc and f"``{m}.py``" not in doc
+               and f"``{package}.{m}``" not in doc]
+    assert not missing, f"{package}'s docstring does not name {missing}"

@@ -7,7 +7,7 @@ import json
 import torch
 
 import oea
-from oea.bench.routing import naive_oea
+from oea.bench.routing.run import naive_oea
 from oea.cli import main
 
 
@@ -53,7 +53,7 @@ def test_cli_rejects_bad_arguments(capsys):
 def test_figures_are_medians_of_the_timed_calls(monkeypatch):
     """Each variant's figure is the median of its timed calls (an outlier call does not move it), warm-up
     calls are not timed, and the ratios are ratios of those medians."""
-    from oea.bench import routing
+    from oea.bench.routing import run as routing
 
     clock = [0]
     durations_ns = {"vanilla": [1000, 3000, 2000, 900_000, 4000], "oea": [2000, 2000, 5000, 6000, 3000],
@@ -76,3 +76,42 @@ def test_figures_are_medians_of_the_timed_calls(monkeypatch):
     assert row["oea_vs_vanilla"] == 1.0 and row["naive_vs_oea"] == 10.0
     assert (row["fast_us"], row["stock_us"]) == (1.2, 0.6)
     assert row["fast_vs_vanilla"] == 1.2 / 3.0 and row["fast_vs_stock"] == 1.2 / 0.6
+
+
+def _result(batch_sizes: list[int]) -> dict:
+    from oea.bench.routing.run import run
+
+    return run([64, 256], batch_sizes, 8, 3, repeats=5, threads=1, seed=0)
+
+
+def _printed(result: dict, width: int, monkeypatch) -> str:
+    import io
+
+    from rich.console import Console
+
+    from oea.bench.routing import run as routing
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(routing, "wide_console", lambda: Console(file=buffer, width=width, force_terminal=False))
+    routing._print_table(result)
+    return buffer.getvalue()
+
+
+def test_the_table_never_cuts_a_cell_on_a_narrow_terminal(monkeypatch):
+    from oea.console import format_interval
+
+    result = _result([16])
+    for width in (80, 120):
+        text = _printed(result, width, monkeypatch)
+        assert "…" not in text, text
+        cells = " ".join(text.split())  # a wrapped cell continues on the next line of its column
+        for row in result["rows"]:
+            assert f"│ {row['num_experts']} │ 16 │" in cells
+        if width == 120:  # wide enough that each ratio interval stays on one line
+            row = result["rows"][0]
+            assert format_interval(row["oea_vs_vanilla"], row["oea_vs_vanilla_ci"], 2) in text
+
+
+def test_the_table_without_a_batch_of_16_says_the_targets_were_not_measured(monkeypatch):
+    text = _printed(_result([1, 4]), 200, monkeypatch)
+    assert "B >= 16: not measured" in text

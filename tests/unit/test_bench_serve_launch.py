@@ -6,60 +6,34 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
+from fake_servers import fake_engine
+from server_harness import free_port
 
-from oea.bench import serve
+from oea.bench.serve import client as serve
 from oea.launch.vllm import oea_env, server_url
 
 FAKE_SERVER = r'''
 import argparse, json, os, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from fake_servers import serve_completions
 p = argparse.ArgumentParser()
 p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--model")
 args, _ = p.parse_known_args()
 with open(os.environ["FAKE_ENV_DUMP"], "a") as f:
     f.write(json.dumps({k: v for k, v in os.environ.items() if k.startswith(("OEA_", "VLLM_HOST"))}) + "\n")
-class H(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def log_message(self, *a): pass
-    def _send(self, code, body, ctype="application/json"):
-        self.send_response(code); self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
-    def do_GET(self):
-        if self.path == "/health": self._send(200, b"")
-        elif self.path == "/v1/models": self._send(200, json.dumps({"data": [{"id": args.model}]}).encode())
-        else: self._send(404, b"")
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        chunks = [f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n" for _ in range(body["max_tokens"])]
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
-        chunks.append(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n")
-        self._send(200, "".join(chunks).encode(), "text/event-stream")
 time.sleep(0.3)  # a start-up delay, so that the health wait is exercised
-ThreadingHTTPServer((args.host, args.port), H).serve_forever()
+serve_completions(args.host, args.port, {"id": args.model})
 '''
 
 
 @pytest.fixture()
 def fake_vllm(tmp_path: Path) -> Path:
-    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for d in (pkg, pkg.parent, pkg.parent.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(FAKE_SERVER)
-    return tmp_path / "fake"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return fake_engine(tmp_path, "vllm.entrypoints.openai.api_server", FAKE_SERVER)
 
 
 def test_oea_env_sets_and_clears() -> None:
@@ -72,7 +46,7 @@ def test_oea_env_sets_and_clears() -> None:
 
 
 def test_serve_vllm_waits_for_health_and_forwards_sigterm(fake_vllm: Path, tmp_path: Path) -> None:
-    port = _port()
+    port = free_port()
     dump = tmp_path / "env.jsonl"
     env = {**os.environ, "PYTHONPATH": str(fake_vllm), "FAKE_ENV_DUMP": str(dump)}
     proc = subprocess.Popen([sys.executable, "-m", "oea", "serve", "vllm", "--k0", "3", "--min-batch", "2",
@@ -114,7 +88,7 @@ def test_restart_mode_ab(fake_vllm: Path, tmp_path: Path, capsys: pytest.Capture
                  "--python", sys.executable, "--num-prompts", "2", "--random-input-len", "4",
                  "--random-output-len", "3", "--max-concurrency", "1", "2", "--rounds", "2",
                  "--warmup-requests", "1", "--output-file", str(out), "--no-progress", "--json",
-                 "--", "--model", "m", "--port", str(_port())])
+                 "--", "--model", "m", "--port", str(free_port())])
     assert code == 0
     rows = serve.load_rows(out)
     assert [(r["arm"], r["round"], r["max_concurrency"]) for r in rows] == [
@@ -129,7 +103,7 @@ def test_restart_mode_ab(fake_vllm: Path, tmp_path: Path, capsys: pytest.Capture
 
 
 def test_engine_summary_windows() -> None:
-    from oea.bench.serve_ab import engine_summary
+    from oea.bench.serve.ab import engine_summary
 
     rows = [{"time": 10.0, "decode": True, "rows": 4, "active": [4, 6], "active_stock": [8, 8],
              "routing_us": [40.0, 60.0]},
@@ -141,7 +115,7 @@ def test_engine_summary_windows() -> None:
 
 
 def test_serve_arm_parsing() -> None:
-    from oea.bench.serve_ab import parse_serve_arms
+    from oea.bench.serve.ab import parse_serve_arms
 
     arms = parse_serve_arms(["off=", "k3=OEA_K0=3 OEA_MIN_BATCH=2"])
     assert arms == {"off": {}, "k3": {"OEA_K0": "3", "OEA_MIN_BATCH": "2"}}

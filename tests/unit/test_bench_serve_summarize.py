@@ -65,3 +65,43 @@ def test_summarize_bad_input(tmp_path: pathlib.Path, capsys: pytest.CaptureFixtu
     out, err = capsys.readouterr()
     assert "--summarize" in err and message in err and "Traceback" not in err and out == ""
     assert sorted(tmp_path.iterdir()) == before
+
+
+def _restart_mode_rows(missing: tuple[str, int] | None = None) -> list[dict]:
+    """Rows as restart mode writes them: per round, one server per arm in the rotated order
+    (``restart_order``). The baseline drifts from round to round far more than the effect; k3's TPOT is 0.8
+    times the baseline's of the same round, so ratios paired by round are exactly 0.8."""
+    from oea.bench.serve.ab import restart_order
+
+    off_tpot = {0: 100.0, 1: 160.0, 2: 70.0, 3: 130.0, 4: 90.0}
+    rows = []
+    for r, tpot in off_tpot.items():
+        for arm in restart_order(["off", "k3"], r):
+            if (arm, r) != missing:
+                rows.append(_row(arm, 16, r, tpot * (0.8 if arm == "k3" else 1.0)))
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["restart-order", "round-missing", "shuffled"])
+def test_summarize_pairs_ratios_by_round_not_by_row_order(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                                          layout: str) -> None:
+    """Whatever the order of the rows in the file (arm order rotated per round, one arm missing a round,
+    shuffled), each ratio pairs the rounds both arms have, and --summarize says how many pairs it used."""
+    import random
+
+    rows = _restart_mode_rows(("k3", 2) if layout == "round-missing" else None)
+    if layout == "shuffled":
+        random.Random(0).shuffle(rows)
+        order = {arm: [r["round"] for r in rows if r["arm"] == arm] for arm in ("off", "k3")}
+        assert order["off"] != order["k3"], "the shuffle must put the arms' rounds in different orders"
+    pairs = 4 if layout == "round-missing" else 5
+    path = _write(tmp_path / "ab.jsonl", rows)
+    assert main(["bench", "serve", "--summarize", str(path), "--baseline-arm", "off", "--json"]) == 0
+    k3 = next(e for e in json.loads(capsys.readouterr().out)["ab"] if e["arm"] == "k3")
+    assert k3["median_tpot_ms_ratio_pairs"] == k3["output_throughput_ratio_pairs"] == pairs
+    assert k3["median_tpot_ms_ratio"] == pytest.approx(0.8)
+    assert k3["median_tpot_ms_ratio_ci"] == pytest.approx([0.8, 0.8]), "every pair of one round has ratio 0.8"
+    assert k3["output_throughput_ratio"] == pytest.approx(1 / 0.8)
+    assert main(["bench", "serve", "--summarize", str(path), "--baseline-arm", "off"]) == 0
+    table = capsys.readouterr().out
+    assert "pairs" in table and f"{pairs} rounds" in table, table

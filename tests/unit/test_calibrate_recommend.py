@@ -1,12 +1,11 @@
 """``oea calibrate`` from a trace: k0 per batch-size range and per layer, T and latency per range, the
-``OEA_LAYER_K0_FILE`` it writes (read back through ``oea.config``), and the flag papercuts of issue 15."""
+``OEA_LAYER_K0_FILE`` it writes (read back through ``oea.config``), and bad flag values (refused naming the flag)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 
-import numpy as np
 import pytest
 import torch
 
@@ -114,14 +113,8 @@ def test_latency_per_range_with_a_preset_file_and_without_a_preset(trace_path, t
     assert without["ranges"][0]["latency_gain"] is None and "not predicted" in without["latency"]
 
 
-def test_an_imported_recording_calibrates_in_lockstep_mode(tmp_path, capsys) -> None:
-    rng = np.random.default_rng(0)
-    logits = rng.standard_normal((128, 2, 60))
-    np.savez(tmp_path / "rec.npz", ids=np.argsort(-logits, -1)[..., :4], request_ids=np.arange(128) % 16,
-             positions=np.arange(128) // 16)
-    trace = tmp_path / "rec.safetensors"
-    assert main(["traces", "import", str(tmp_path / "rec.npz"), "--out", str(trace), "--num-experts", "60",
-                 "--top-k", "4"]) == 0
+def test_an_imported_recording_calibrates_in_lockstep_mode(tmp_path, capsys, imported_trace) -> None:
+    trace = imported_trace(16, 8)
     capsys.readouterr()
     result = _run(capsys, "adaptive", "--trace", str(trace), "--mode", "lockstep", "--batch-sizes", "4", "16",
                   "--tolerance", "0.5", "--out", str(tmp_path / "k0.json"))
@@ -162,6 +155,9 @@ def test_out_naming_a_directory_is_refused(trace_path, tmp_path, capsys) -> None
     ({"batch_k0": [{"max_batch": 4, "k0": [3, 3]}, {"max_batch": 2, "k0": [3, 3]}]}, r"must be increasing"),
     ({"batch_k0": [{"max_batch": 4}]}, r"batch_k0 entries must be objects"),
     ({"format": "other"}, r"field 'format' must be 'oea-layer-k0'"),
+    ({"version": 99}, r"field 'version' must be one of \[1, 2\] .*got 99"),
+    ({"version": "2"}, r"field 'version' must be one of \[1, 2\] .*got '2'"),
+    ({"min_bacth": 3}, r"unknown field 'min_bacth' \(allowed: format, version, num_experts, top_k, num_layers, k0,"),
 ])
 def test_malformed_layer_k0_files_name_the_file_and_field(tmp_path, change: dict, message: str) -> None:
     path = tmp_path / "k0.json"

@@ -35,6 +35,18 @@ CASES: list[tuple[list[str], str]] = [
     (["roofline", "--k0", "0"], "argument --k0"),
     (["roofline", "--k0", "99", "--trace", "none"], "--k0 must be integers in 1..8"),
     (["roofline", "--tp", "0"], "argument --tp"),
+    (["roofline", "--model", "glm-5", "--tp", "3", "--trace", "none"],
+     "--tp must split glm-5's moe_intermediate_size=2048, num_attention_heads=64"),
+    (["simulate", "--tp", "3", "--gpu", "h100-sxm"],
+     "--tp must split qwen3-30b-a3b's moe_intermediate_size=768, num_attention_heads=32 evenly"),
+    (["simulate", "--ep", "3", "--gpu", "h100-sxm"], "--ep must divide num_experts=128 (qwen3-30b-a3b), got 3"),
+    (["simulate", "--ep", "3"], "--ep must divide the trace's num_experts=128, got 3"),
+    (["simulate", "--tp", "2", "--ep", "2", "--gpu", "h100-sxm"], "combine either --tp or --ep"),
+    (["calibrate", "adaptive", "--trace", "qwen3-30b-a3b", "--tp", "3", "--gpu", "h100-sxm"],
+     "--tp must split qwen3-30b-a3b's"),
+    (["bench", "layer", "--tp", "5", "--threads", "1"], "--tp must divide qwen3-30b-a3b's moe_intermediate_size=768"),
+    (["roofline", "--context-len", "0"], "argument --context-len: must be an integer >= 1"),
+    (["roofline", "--interconnect-gbps", "-5"], "argument --interconnect-gbps"),
     (["compare", "--trace", "embedded", "--layers", "99"], "--layers must be distinct MoE layer indices in 0..3"),
     (["compare", "--layers", "-1"], "argument --layers: must be an integer >= 0"),
     (["compare", "--ep", "0"], "argument --ep"),
@@ -66,6 +78,12 @@ CASES: list[tuple[list[str], str]] = [
     (["bench", "layer", "--k0", "9", "--threads", "1"], "--k0 must be in 1..top_k=8"),
     (["bench", "layer", "--threads", "0"], "argument --threads"),
     (["bench", "layer", "--policies", "oea", "oea"], "--policies lists ['oea'] more than once"),
+    (["bench", "layer", "--plot", "/proc/p.png", "--threads", "1"], "--plot /proc/p.png: cannot write in /proc"),
+    (["bench", "layer", "--write-fit", "/proc/fit.json"], "--write-fit /proc/fit.json: cannot write in /proc"),
+    (["bench", "decode", "--k0", "99"], "--k0 values must be in 1..8 (the model's top_k), got [99]"),
+    (["bench", "decode", "--like", "nope"], "--like must be one of ['deepseek-v3',"),
+    (["bench", "decode", "--model", "/missing-model"], "--model /missing-model: not a checkpoint directory"),
+    (["bench", "decode", "--plot", "/proc/p.png"], "--plot /proc/p.png: cannot write in /proc"),
     (["capture", "--batch-sizes", "0"], "argument --batch-sizes"),
     (["capture", "--new-tokens", "0"], "argument --new-tokens"),
     (["capture", "--out", "no/such/folder/x.safetensors"], "--out no/such/folder/x.safetensors: folder"),
@@ -110,11 +128,80 @@ def test_every_flag_has_help_and_every_command_has_json() -> None:
             if action.help is None and action.dest != "help":
                 missing_help.append(f"oea {' '.join(prefix)} {'/'.join(action.option_strings) or action.dest}")
         options = {o for a in parser._actions for o in a.option_strings}
-        group = subs and prefix in {("bench",), ("serve",)}
+        group = subs and prefix == ("bench",)
         if prefix and handler is not None and not group and "--json" not in options:
             missing_json.append(f"oea {' '.join(prefix)}")
     assert missing_help == []
     assert missing_json == []
+
+
+def _commands_with(flag: str) -> list[list[str]]:
+    found = []
+    for prefix, parser in _commands(build_parser()):
+        if any(flag in action.option_strings for action in parser._actions):
+            found.append(list(prefix))
+    return found
+
+
+SEEDED = _commands_with("--seed")
+
+
+@pytest.mark.parametrize("command", SEEDED, ids=[" ".join(c) for c in SEEDED])
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "x"])
+def test_a_seed_out_of_range_names_the_flag(command: list[str], seed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    extra = ["--tasks", "t"] if command[-1] == "lm-eval" else []
+    assert main([*command, *extra, "--seed", seed]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert f"argument --seed: must be an integer in 0..4294967295, got '{seed}'" in err
+
+
+def test_every_seeded_command_is_covered() -> None:
+    assert len(SEEDED) >= 12 and ["simulate"] in SEEDED and ["bench", "layer"] in SEEDED
+
+
+def test_serve_json_is_one_document_of_the_engines_and_this_environments_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OEA_K0", "3")
+    monkeypatch.setenv("OEA_MIN_BATCH", "4")
+    assert main(["serve", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    engines = {e["engine"]: e for e in document["engines"]}
+    assert "vllm" in engines and engines["vllm"]["command"].startswith("oea serve vllm")
+    assert document["environment"] == {"OEA_K0": "3", "OEA_MIN_BATCH": "4"}
+    assert document["oea"]["enabled"] and document["oea"]["config"]["k0"] == 3
+    assert document["oea"]["config"]["min_batch"] == 4
+    monkeypatch.setenv("OEA_K0", "zero")
+    assert main(["serve", "--json"]) == 0
+    assert "OEA_K0 must be an integer" in json.loads(capsys.readouterr().out)["oea"]["error"]
+    assert main(["serve"]) == 2  # without --json or an engine: the usage
+
+
+def test_no_help_text_shows_a_doubled_percent_sign() -> None:
+    """argparse %-formats flag help, not descriptions: a '%%' written for it in a description prints as is."""
+    doubled = [" ".join(prefix) for prefix, parser in _commands(build_parser()) if "%%" in parser.format_help()]
+    assert doubled == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "layer", "--trace", "/missing.safetensors", "--repeats", "1"],
+    ["bench", "decode", "--like", "none", "--prompt-tokens", "100000", "--batch-sizes", "1", "--k0", "3"],
+], ids=["layer", "decode"])
+def test_an_error_found_after_the_passive_wait_re_run_is_the_only_stderr_line(argv: list[str]) -> None:
+    """Started from a shell on CPU with several threads, the benchmark re-executes itself with
+    OMP_WAIT_POLICY=PASSIVE; an error the re-executed process finds must still be the first and only line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "oea", *argv, "--threads", "2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"oea bench {argv[1]}: error: ") and "PASSIVE" not in lines[0]
 
 
 def test_defaults_are_shown_in_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -156,7 +156,7 @@ def test_unknown_policy_is_refused_naming_the_allowed_values(raw: str) -> None:
 
 
 def test_environment_check_reports_the_policy() -> None:
-    from oea.config import check_environment
+    from oea.integrations.doctor_env import check_environment
 
     checks = {c.name: c for c in check_environment({"OEA_K0": "3", "OEA_POLICY": "ep"})}
     assert checks["OEA_POLICY"].ok and checks["OEA_POLICY"].detail == "policy = ep"
@@ -164,3 +164,50 @@ def test_environment_check_reports_the_policy() -> None:
     assert not bad["OEA_POLICY"].ok and "one of ('oea', 'ep')" in bad["OEA_POLICY"].detail
     idle = {c.name: c for c in check_environment({"OEA_POLICY": "ep"})}
     assert idle["OEA_K0"].detail == "unset: OEA is off, so OEA_POLICY has no effect"
+
+
+def test_the_docs_table_is_the_variables_table() -> None:
+    """docs/configuration.md shows the table the settings and the doctor parse with, unchanged."""
+    from pathlib import Path
+
+    from oea.config.variables import markdown_table
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    start, end = "<!-- the table: oea.config.variables.markdown_table() -->\n", "<!-- end of the table -->"
+    assert page[page.index(start) + len(start):page.index(end)] == markdown_table()
+
+
+def test_every_variable_parses_what_the_settings_read_and_names_itself_when_malformed() -> None:
+    from oea.config.variables import VARIABLES
+
+    assert [v.name for v in VARIABLES][:3] == ["OEA_K0", "OEA_MIN_BATCH", "OEA_MAX_EXPERTS"]
+    for variable in VARIABLES:
+        if variable.name in ("OEA_LAYER_K0_FILE", "OEA_METRICS_FILE"):
+            continue  # any path parses; the file is checked where it is used
+        with pytest.raises(ValueError, match=rf"^{variable.name} must "):
+            variable.parse(variable.name, "-7x")
+
+
+def test_blank_variables_are_named_with_what_they_mean() -> None:
+    """``OEA_K0=`` (``OEA_K0=$K0`` with K0 unset) is read as unset: OEA off, which the note says."""
+    from oea.config import blank_note, blank_variables
+
+    env = {"OEA_K0": "", "SGLANG_OEA_MIN_BATCH": "  ", "OEA_TRACE_FILE": "t.safetensors", "OEA_OTHER": ""}
+    assert settings_from_env(env).oea is None
+    assert blank_variables(env) == ["OEA_K0", "SGLANG_OEA_MIN_BATCH"]  # known variables only
+    assert blank_note(["OEA_K0"]) == ("OEA_K0 is set but empty: read as unset (OEA is off without OEA_K0); unset it, "
+                                      "or give it a value")
+    assert "(OEA is off" not in blank_note(["OEA_TRACE_FILE"])
+    assert blank_note([]) == "" and blank_variables({"OEA_K0": "3"}) == []
+
+
+def test_k0_note_says_what_a_k0_above_every_preset_top_k_does() -> None:
+    from oea.config import k0_note
+    from oea.config.variables import LARGEST_PRESET_TOP_K
+    from oea.presets import MODEL_PRESETS
+
+    assert max(p.top_k for p in MODEL_PRESETS.values()) == LARGEST_PRESET_TOP_K
+    assert k0_note(LARGEST_PRESET_TOP_K - 1) == ""
+    assert "routing is unchanged (k0 = top_k)" in k0_note(LARGEST_PRESET_TOP_K)
+    assert k0_note(999).startswith("no model preset has top_k >= 999 (the largest is 8): a model whose top_k is "
+                                   "below 999 is refused at load (OEA_K0 must be in 1..top_k)")

@@ -7,15 +7,17 @@ import pathlib
 
 import pytest
 
-from oea.sim.costmodel import CostModel, uniform_active_experts, uniform_max_device_active
-from oea.sim.presets import (
+from oea.presets import (
     MODEL_PRESETS,
+    GpuPreset,
+    ModelPreset,
     cpu_preset,
     get_gpu_preset,
     get_model_preset,
     gpu_preset_names,
     load_cpu_fit,
 )
+from oea.sim.costmodel import CostModel, uniform_active_experts, uniform_max_device_active
 from oea.sim.roofline import roofline
 
 REQUIRED_MODELS = {"qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "glm-4.5-air", "glm-5", "gpt-oss-120b",
@@ -75,6 +77,28 @@ def test_expert_parallel_latency_follows_the_busiest_device() -> None:
     assert 64 / 8 <= uniform_max_device_active(128, 8, 16, 8) <= 16
     with pytest.raises(ValueError, match="ep must divide"):
         CostModel(get_model_preset("qwen3-30b-a3b"), get_gpu_preset("h200"), ep=3)
+
+
+def test_expert_parallel_layer_latency_counts_the_all_to_all_both_ways() -> None:
+    """One configuration worked out by hand: the all-to-all moves the token activations to the experts'
+    devices (dispatch) and the results back (combine), so it is paid twice."""
+    model = ModelPreset(name="hand", num_experts=16, top_k=2, hidden_size=1024, moe_intermediate_size=512,
+                        num_moe_layers=1, bytes_per_weight=2.0)
+    gpu = GpuPreset(name="hand", hbm_bandwidth_GBps=1000.0, peak_tflops_bf16=100.0, launch_overhead_us=10.0,
+                    interconnect_GBps=100.0, interconnect_latency_us=5.0)
+    cost = CostModel(model, gpu, ep=4)
+    # one expert: 3 * 1024 * 512 = 1,572,864 weights = 3,145,728 bytes -> 3.145728 µs at 1000 GB/s;
+    # one token slot: 2 * 1,572,864 FLOPs -> 0.03145728 µs at 100 TFLOP/s.
+    # B = 16 tokens, S = 32 slots over T = 8 experts, the busiest device holds 3 of them:
+    #   memory   3 * 3.145728                        =  9.437184
+    #   compute  (32 * 3 / 8 = 12 slots) * 0.03145728 =  0.37748736
+    #   launch                                        = 10
+    #   all-to-all: 3/4 of the 32 slots leave their device: 24 * 1024 * 2 B = 49,152 B,
+    #     one way 5 µs + 49,152 B / 100 GB/s = 5.49152 µs; dispatch + combine = 10.98304
+    expected = 9.437184 + 0.37748736 + 10.0 + 10.98304
+    assert cost.layer_latency_us(8, 32, 16, max_device_active=3) == pytest.approx(expected, rel=1e-9)
+    assert CostModel(model, gpu).layer_latency_us(8, 32, 16) == pytest.approx(
+        10.0 + 8 * 3.145728 + 32 * 0.03145728, rel=1e-9), "without EP there is no all-to-all"
 
 
 def test_cpu_preset_is_unmeasured_without_the_fit_file(tmp_path: pathlib.Path) -> None:

@@ -151,7 +151,7 @@ def test_nothing_set_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_missing_layer_k0_file_fails_the_doctor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """The reported case: OEA_LAYER_K0_FILE pointing nowhere used to pass (exit 0) while maybe_attach raised."""
+    """OEA_LAYER_K0_FILE pointing nowhere fails the doctor, as it fails ``maybe_attach`` and engine start-up."""
     _installed(monkeypatch)
     monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "absent.json"))
     assert main(["doctor"]) == 1
@@ -252,7 +252,8 @@ def test_the_doctor_and_the_engines_read_the_environment_alike(monkeypatch: pyte
                                                                tmp_path: Path) -> None:
     """Every environment the doctor passes, settings_from_env (what every engine reads) accepts, and the reverse
     for the variables it parses."""
-    from oea.config import check_environment, settings_from_env
+    from oea.config import settings_from_env
+    from oea.integrations.doctor_env import check_environment
 
     good = _layer_file(tmp_path)
     for env in ({"OEA_K0": "2"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "2"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "3"},
@@ -382,3 +383,22 @@ def test_trace_variables_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.delenv("OEA_TRACE_FILE")
     alone = _environment(monkeypatch, OEA_TRACE_SAMPLE="0.5")["OEA_TRACE_SAMPLE"]
     assert alone["ok"] and alone["detail"] == "no effect: OEA_TRACE_FILE is unset"
+
+
+def test_a_k0_above_every_preset_top_k_says_what_will_happen(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _environment(monkeypatch, OEA_K0="999")
+    assert checks["OEA_K0"]["ok"]
+    assert checks["OEA_K0"]["detail"].startswith("k0 = 999: no model preset has top_k >= 999 (the largest is 8): "
+                                                 "a model whose top_k is below 999 is refused at load")
+
+
+@pytest.mark.parametrize("variable", ["OEA_K0", "SGLANG_OEA_K0"])
+def test_an_empty_k0_is_reported_not_silently_unset(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    monkeypatch.setenv(variable, "")
+    _installed(monkeypatch)
+    report, code = doctor.run_doctor("all")
+    assert code == 0
+    details = {c["name"]: c["detail"] for c in report["environment"]["checks"]}
+    assert details[variable] == (f"{variable} is set but empty: read as unset (OEA is off without OEA_K0); unset it, "
+                                 "or give it a value")
+    assert details["OEA_*"].startswith("none set to a value: OEA is off")

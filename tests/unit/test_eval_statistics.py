@@ -36,7 +36,8 @@ class _Tokenizer:
         return {"input_ids": [3 + i for i in range(len(text))]}
 
 
-def _fake_run(model: Any, cfg: object | None, batches: list, generate_tokens: int) -> dict[str, Any]:
+def _fake_run(model: Any, cfg: object | None, batches: list, generate_tokens: int,
+              step_tokens: int = 1) -> dict[str, Any]:
     """Per-token losses: window r of document d costs DOC_CE[d] (+ DOC_DELTA[d] under OEA) on average,
     with +-0.5 between its two windows and +-0.25 between positions, so only per-document means are exact."""
     seen: dict[int, int] = {}

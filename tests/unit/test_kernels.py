@@ -7,40 +7,28 @@ are. The 10,000-case sweep is the script itself (its figures are in docs/benchma
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_cases import SWEEP, examples, seeded, with_boundaries
 
 import oea
 import oea.kernels.numba_cpu as numba_cpu
 import oea.kernels.triton_gpu as triton_gpu
 from oea.kernels import KernelUnavailableError, NumbaRouter, choose_impl, numba_route, plan, route_fast
-from oea.routing import BudgetConfig, EPOEAConfig, ExpertPlacement
+from oea.routing import AdaptiveK0Config, BudgetConfig, EPOEAConfig, ExpertPlacement
 
 torch.set_num_threads(1)
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _load_sweep():
-    spec = importlib.util.spec_from_file_location("kernel_sweep", ROOT / "scripts" / "kernel_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-SWEEP = _load_sweep()
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.integers(0, 2**31 - 1))
-def test_numba_kernel_equals_route(seed):
-    logits, spec, cfg, valid = SWEEP.random_case(seed)
+@with_boundaries()
+@settings(max_examples=examples(150))
+@given(st.integers(0, 2**31 - 1).map(seeded))
+def test_numba_kernel_equals_route(case):
+    logits, spec, cfg, valid = case.case
     assert choose_impl(logits, spec, cfg) == "numba"
     got = route_fast(logits, spec, cfg, valid, impl="numba")
     assert SWEEP.mismatch(got, oea.route(logits, spec, cfg, valid)) is None
@@ -112,8 +100,8 @@ def test_what_no_kernel_reproduces_falls_back_to_route(cfg, monkeypatch):
 
 def test_a_bias_with_non_finite_values_falls_back():
     bias = torch.zeros(16)
-    bias[3] = float("nan")
-    spec = oea.RouterSpec(16, 4, "sigmoid", correction_bias=bias)
+    spec = oea.RouterSpec(16, 4, "sigmoid", correction_bias=bias)  # RouterSpec refuses a NaN bias it can read ...
+    bias[3] = float("nan")  # ... but an engine's bias buffer may change in place after the spec was built
     logits = torch.randn(5, 16)
     assert choose_impl(logits, spec, oea.OEAConfig(2)) == "torch"
     assert choose_impl(logits, oea.RouterSpec(16, 4, "sigmoid", correction_bias=torch.zeros(16)),
@@ -160,3 +148,18 @@ def test_route_fast_is_exported_and_forced_torch_is_route():
     ids, weights = oea.route_fast(logits, spec, oea.OEAConfig(2), impl="torch")
     want = oea.route(logits, spec, oea.OEAConfig(2))
     assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])
+
+
+def test_adaptive_k0_with_one_spec_uses_each_batch_sizes_own_k0():
+    """One ``RouterSpec`` object called again and again at batch sizes in different k0 ranges: every call
+    routes with its own batch size's k0 (plans are cached per spec, never handed to another batch size).
+    The reference is ``oea.route`` with the plain ``OEAConfig`` of that size's k0."""
+    spec = oea.RouterSpec(64, 8)
+    cfg = AdaptiveK0Config(((4, 8), (16, 1), (64, 4)), min_batch=0)
+    gen = torch.Generator().manual_seed(11)
+    for rows, k0 in ((3, 8), (12, 1), (40, 4), (3, 8), (12, 1), (4, 8), (16, 1), (17, 4), (12, 1)):
+        logits = torch.randn(rows, 64, generator=gen) * 2
+        assert choose_impl(logits, spec, cfg) == "numba"
+        ids, weights = route_fast(logits, spec, cfg)
+        want = oea.route(logits, spec, oea.OEAConfig(k0, min_batch=0))
+        assert SWEEP.mismatch((ids, weights), want) is None, f"{rows} rows must route with k0={k0}"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_servers import fake_engine
 
 from oea.launch.vllm import start_server, stop_server, wait_healthy
 
@@ -20,6 +21,7 @@ WORKER = (  # ignores SIGTERM, then reports its pid (so the test never signals i
     "open(os.environ['FAKE_WORKER_PID'] + '.tmp', 'w').write(str(os.getpid())); "
     "os.rename(os.environ['FAKE_WORKER_PID'] + '.tmp', os.environ['FAKE_WORKER_PID']); time.sleep(120)"
 )
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 FAKE_SERVER = f"""
 import subprocess, sys, time
 subprocess.Popen([sys.executable, "-c", {WORKER!r}])
@@ -36,17 +38,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _fake_vllm(root: Path, server_code: str) -> Path:
-    pkg = root / "fake" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for d in (pkg, pkg.parent, pkg.parent.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(server_code)
-    return root / "fake"
-
-
 def test_stop_server_kills_a_worker_that_ignores_sigterm(tmp_path: Path) -> None:
-    _fake_vllm(tmp_path, FAKE_SERVER)
+    fake_engine(tmp_path, VLLM_SERVER, FAKE_SERVER)
     pid_file = tmp_path / "worker.pid"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(tmp_path / "fake"),
            "FAKE_WORKER_PID": str(pid_file)}
@@ -71,7 +64,8 @@ def test_stop_server_kills_a_worker_that_ignores_sigterm(tmp_path: Path) -> None
 
 
 def test_wait_healthy_reports_a_server_that_dies_during_start_up(tmp_path: Path) -> None:
-    fake = _fake_vllm(tmp_path, "import sys\nprint('CUDA out of memory while loading weights')\nsys.exit(3)\n")
+    dies = "import sys\nprint('CUDA out of memory while loading weights')\nsys.exit(3)\n"
+    fake = fake_engine(tmp_path, VLLM_SERVER, dies)
     server = start_server(["--port", "1"], {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(fake)},
                           python=sys.executable, log_path=tmp_path / "server.log")
     started = time.monotonic()

@@ -64,3 +64,13 @@ def test_heldout_list_matches_this_pythons_split() -> None:
     listed = [name for name, _ in heldout_documents()]
     assert listed == [f.name for f in split_files(stdlib_files())[1]]
     assert heldout_changed() == []
+
+
+def test_checkpoint_stores_its_output_head_untied() -> None:
+    """Engines that never tie qwen3_moe (SGLang) load the head only when it is stored; it equals the embeddings
+    it was trained tied to, so every engine computes the same logits."""
+    from safetensors import safe_open
+
+    assert json.loads((MODEL_DIR / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(MODEL_DIR / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))

@@ -1,4 +1,4 @@
-"""``oea.bench.layer*``: exact-T synthetic routings, statistics, the fit, memory planning, a tiny run."""
+"""``oea.bench.layer``: exact-T synthetic routings, statistics, the fit, memory planning, a tiny run."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import oea
-from oea.bench import layer, layer_inputs, layer_timing
-from oea.bench.layer import plan_weight_copies, run_layer_bench
-from oea.bench.layer_fit import fit_latency, write_fit
-from oea.bench.layer_inputs import LayerBenchConfig, default_sweep, synthetic_routing
-from oea.bench.moe_layer import MoEShape
+from oea.bench.layer import inputs as layer_inputs
+from oea.bench.layer import run as layer
+from oea.bench.layer import timing as layer_timing
+from oea.bench.layer.fit import fit_latency, write_fit
+from oea.bench.layer.inputs import LayerBenchConfig, default_sweep, synthetic_routing
+from oea.bench.layer.moe import MoEShape
+from oea.bench.layer.run import plan_weight_copies, run_layer_bench
 from oea.stats import median_interval, ratio_of_medians_interval
 
 TINY = MoEShape(num_experts=128, top_k=8, hidden_size=32, intermediate_size=16)
@@ -169,7 +171,7 @@ def test_random_trace_and_no_policies():
 
 
 def test_write_fit_is_readable_by_the_cost_model(tmp_path):
-    from oea.sim.presets import cpu_preset, load_cpu_fit
+    from oea.presets import cpu_preset, load_cpu_fit
 
     result = {"preset": "qwen3-30b-a3b", "tp": 1, "machine": "test machine", "dtype": "bfloat16", "impl": "loop",
               "batch_size": 16, "repeats": 3, "rows": [], "sweep": [],
@@ -197,7 +199,7 @@ def test_rows_without_vanilla_have_no_ratio():
 
 
 def test_measure_interleaves_variants_round_robin_and_pairs_batches(monkeypatch):
-    from oea.bench.moe_layer import init_weights
+    from oea.bench.layer.moe import init_weights
 
     gen = torch.Generator().manual_seed(0)
     shape = MoEShape(16, 2, 8, 4)

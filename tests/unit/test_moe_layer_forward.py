@@ -1,4 +1,4 @@
-"""``oea.bench.moe_layer``: the active-experts-only MoE layer equals a dense float64 reference."""
+"""``oea.bench.layer.moe``: the active-experts-only MoE layer equals a dense float64 reference."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import oea
-from oea.bench.moe_layer import (
+from oea.bench.layer.moe import (
     IMPLS,
     MoEShape,
     MoEWeights,
@@ -118,7 +118,7 @@ def test_init_weights_writes_distinct_experts_of_the_right_shape():
 
 
 def test_shape_from_preset_and_tp_slice():
-    from oea.sim.presets import get_model_preset
+    from oea.presets import get_model_preset
 
     qwen = MoEShape.from_preset(get_model_preset("qwen3-30b-a3b"))
     assert (qwen.num_experts, qwen.top_k, qwen.hidden_size, qwen.intermediate_size) == (128, 8, 2048, 768)

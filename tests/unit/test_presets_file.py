@@ -7,14 +7,13 @@ import json
 import pathlib
 import re
 
-import numpy as np
 import pytest
 import torch
 
 from oea.cli import main
+from oea.presets import MODEL_PRESETS, get_gpu_preset, gpu_preset_names
 from oea.sim.costmodel import CostModel
 from oea.sim.preset_file import load_model_preset_file
-from oea.sim.presets import MODEL_PRESETS, get_gpu_preset, gpu_preset_names
 
 torch.set_num_threads(1)
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "presets.md"
@@ -30,18 +29,6 @@ def _docs_toml(tmp_path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _qwen15_trace(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A 60-expert top-4 trace imported through the CLI (lock-step: 8 requests x 8 steps)."""
-    rng = np.random.default_rng(0)
-    logits = rng.standard_normal((64, 2, 60))
-    np.savez(tmp_path / "q.npz", ids=np.argsort(-logits, -1)[..., :4], request_ids=np.arange(64) % 8,
-             positions=np.arange(64) // 8)
-    out = tmp_path / "q.safetensors"
-    assert main(["traces", "import", str(tmp_path / "q.npz"), "--out", str(out), "--num-experts", "60",
-                 "--top-k", "4"]) == 0
-    return out
-
-
 def test_the_documented_toml_and_the_json_form_give_the_same_preset(tmp_path: pathlib.Path) -> None:
     toml = load_model_preset_file(_docs_toml(tmp_path))
     (tmp_path / "q.json").write_text(json.dumps(QWEN15))
@@ -53,8 +40,9 @@ def test_the_documented_toml_and_the_json_form_give_the_same_preset(tmp_path: pa
     assert toml.model.expert_bytes == 3 * 2048 * 1408 * 2
 
 
-def test_simulate_predicts_latency_with_the_documented_qwen15_preset(tmp_path: pathlib.Path, capsys) -> None:
-    trace = _qwen15_trace(tmp_path)
+def test_simulate_predicts_latency_with_the_documented_qwen15_preset(tmp_path: pathlib.Path, capsys,
+                                                                    imported_trace) -> None:
+    trace = imported_trace(8, 8)
     preset = _docs_toml(tmp_path)
     capsys.readouterr()
     assert main(["simulate", "--trace", str(trace), "--model-preset-file", str(preset), "--gpu", "h100-sxm",
@@ -80,6 +68,20 @@ def test_roofline_accepts_the_preset_file_and_its_tp(tmp_path: pathlib.Path, cap
     assert main(["roofline", "--model-preset-file", str(tmp_path / "q.json"), "--tp", "1", "--trace", "none",
                  "--batch-sizes", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["tp"] == 1  # the flag wins over the file
+
+
+def test_a_preset_files_tp_that_does_not_split_the_model_is_named_as_the_files(tmp_path: pathlib.Path, capsys,
+                                                                              imported_trace) -> None:
+    """Its tp stands in for --tp: the error names the file's field; given, the flag is named instead."""
+    (tmp_path / "tp3.json").write_text(json.dumps({**QWEN15, "tp": 3}))
+    base = ["simulate", "--trace", str(imported_trace(8, 8)), "--model-preset-file", str(tmp_path / "tp3.json"),
+            "--gpu", "h100-sxm", "--num-batches", "2"]
+    capsys.readouterr()
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert f"tp of --model-preset-file {tmp_path / 'tp3.json'} must split qwen1.5-moe-a2.7b's" in err
+    assert main([*base, "--tp", "5"]) == 2
+    assert "--tp must split qwen1.5-moe-a2.7b's" in capsys.readouterr().err
 
 
 BAD_FIELDS = [

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from property_cases import examples
 
 import oea
 from oea.config import read_layer_k0_file, write_layer_k0_file
@@ -88,8 +89,17 @@ def placements(draw: st.DrawFn, num_experts: int) -> ExpertPlacement:
     return ExpertPlacement(device, num_devices)
 
 
-@settings(max_examples=60, deadline=None)
+def _permuted(m: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=gen) for _ in range(m)]).float() / 4
+
+
+@settings(max_examples=examples(60))
 @given(batches())
+@example((_permuted(12, 32, 1), oea.RouterSpec(32, 4), 1, 4))  # k0 = 1
+@example((_permuted(12, 32, 2), oea.RouterSpec(32, 4), 4, 8))  # k0 = k: nothing to fill
+@example((torch.zeros(6, 16), oea.RouterSpec(16, 4), 2, 2))  # every logit tied
+@example((_permuted(3, 16, 3), oea.RouterSpec(16, 4), 1, 16))  # one expert per device
 def test_ep_aware_oea_matches_literal_version_and_never_slows_the_busiest_device(case):
     logits, spec, k0, ep = case
     placement = ExpertPlacement.contiguous(spec.num_experts, ep)
@@ -105,7 +115,7 @@ def test_ep_aware_oea_matches_literal_version_and_never_slows_the_busiest_device
     assert bool((mass >= plain_mass - 1e-6).all())  # every token keeps at least plain OEA's router mass
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(batches(), st.data())
 def test_ep_aware_oea_follows_a_non_contiguous_placement(case, data):
     logits, spec, k0, _ = case
@@ -121,12 +131,18 @@ def test_ep_aware_oea_follows_a_non_contiguous_placement(case, data):
     assert int(max_device_active_experts(ids, w, placement, valid)) == busiest
 
 
-@settings(max_examples=60, deadline=None)
+def _comparator_routing(case, config, size):
+    """A comparator of ``size`` experts (capped at the router's) routes the case: its logits, spec, size, routing."""
+    logits, spec, _, _ = case
+    size = min(size, spec.num_experts)
+    ids, w = oea.route(logits, spec, config(size, min_batch=0))
+    return logits, spec, size, ids, w
+
+
+@settings(max_examples=examples(60))
 @given(batches(), st.integers(1, 64))
 def test_budget_comparator(case, budget):
-    logits, spec, _, _ = case
-    budget = min(budget, spec.num_experts)
-    ids, w = oea.route(logits, spec, BudgetConfig(budget, min_batch=0))
+    logits, spec, budget, ids, w = _comparator_routing(case, BudgetConfig, budget)
     probs = torch.softmax(logits, -1)
     v_ids = probs.topk(spec.top_k).indices
     mass = torch.zeros(spec.num_experts).scatter_add(0, v_ids.reshape(-1), probs.gather(1, v_ids).reshape(-1))
@@ -137,12 +153,10 @@ def test_budget_comparator(case, budget):
         assert chosen == set(inside)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(batches(), st.integers(1, 64))
 def test_subtractive_comparator(case, target):
-    logits, spec, _, _ = case
-    target = min(target, spec.num_experts)
-    ids, w = oea.route(logits, spec, SubtractiveConfig(target, min_batch=0))
+    logits, spec, target, ids, w = _comparator_routing(case, SubtractiveConfig, target)
     v_ids, v_w = oea.route(logits, spec, None)
     vanilla_union = set(v_ids.reshape(-1).tolist())
     t = int(oea.active_experts(ids, w))
@@ -164,7 +178,7 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15))
 @given(batches(), st.integers(1, 16), st.data())
 def test_padding_rows_never_change_the_real_rows(policy, case, size, data):
     """Every batch-aware policy: real rows routed next to padding rows exactly as if alone; padding rows

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_cases import examples, with_boundaries
 
 import oea
 from oea.routing import router_scores
@@ -46,7 +47,7 @@ def routing_cases(draw: st.DrawFn, general: bool = False):
     if general:
         cfg_kwargs["p"] = draw(st.sampled_from([1.0, 0.9, 0.5, 0.2]))
         cfg_kwargs["max_experts"] = draw(st.integers(k0, k))
-        cfg_kwargs["max_rank"] = draw(st.integers(1, n))
+        cfg_kwargs["max_rank"] = draw(st.integers(k0, n))
     cfg = oea.OEAConfig(k0, **cfg_kwargs)
     valid = None
     if draw(st.booleans()):
@@ -76,19 +77,22 @@ def assert_matches_reference(logits, spec, cfg, valid) -> None:
             assert math.isclose(g[e], w[e], rel_tol=2e-5, abs_tol=1e-6), (row, e, g[e], w[e])
 
 
-@settings(max_examples=150, deadline=None)
+@with_boundaries(named=False)
+@settings(max_examples=examples(150))
 @given(routing_cases())
 def test_simplified_oea_equals_reference(case):
     assert_matches_reference(*case)
 
 
-@settings(max_examples=150, deadline=None)
+@with_boundaries((oea.OEAConfig,), named=False)
+@settings(max_examples=examples(150))
 @given(routing_cases(general=True))
 def test_general_oea_equals_reference(case):
     assert_matches_reference(*case)
 
 
-@settings(max_examples=60, deadline=None)
+@with_boundaries((oea.OEAConfig, oea.PrunedConfig), named=False)
+@settings(max_examples=examples(60))
 @given(routing_cases())
 def test_vanilla_and_pruned_equal_reference(case):
     logits, spec, cfg, valid = case
@@ -96,7 +100,7 @@ def test_vanilla_and_pruned_equal_reference(case):
     assert_matches_reference(logits, spec, oea.PrunedConfig(cfg.k0), valid)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(routing_cases(), st.sampled_from([None, True, False]))
 def test_pruned_renormalize_override_equals_reference(case, renormalize):
     logits, spec, cfg, valid = case
@@ -123,7 +127,7 @@ def test_pruned_without_renormalising_on_a_renormalising_router():
     torch.testing.assert_close(w_all[:, :3], top3.values)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(routing_cases(), st.integers(0, 4), st.booleans())
 def test_exactly_min_batch_real_rows_are_rerouted(case, min_batch, padded):
     """A batch of exactly ``min_batch`` real rows (with or without padding rows) is rerouted; one
@@ -147,7 +151,8 @@ def test_exactly_min_batch_real_rows_are_rerouted(case, min_batch, padded):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@settings(max_examples=150, deadline=None)
+@with_boundaries((oea.OEAConfig,), named=False)
+@settings(max_examples=examples(150))
 @given(routing_cases())
 def test_output_contract(case):
     logits, spec, cfg, valid = case
@@ -161,7 +166,7 @@ def test_output_contract(case):
     applied = int(rows_valid.sum()) >= cfg.min_batch
     vanilla_ids, vanilla_w = oea.route(logits, spec, None)
     scores = router_scores(logits, spec, cfg.group_fill)
-    own_base = scores.select.topk(cfg.k0, dim=-1).indices
+    own_base = scores.select.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.k0]  # ties: lower index
     s_base = {int(e) for i in range(m) if rows_valid[i] for e in own_base[i]}
 
     for i in range(m):
@@ -186,7 +191,8 @@ def test_output_contract(case):
         assert t_oea <= int(oea.active_experts(vanilla_ids, vanilla_w, rows_valid))
 
 
-@settings(max_examples=80, deadline=None)
+@with_boundaries((oea.OEAConfig,), named=False)
+@settings(max_examples=examples(80))
 @given(routing_cases())
 def test_k0_equal_k_is_vanilla(case):
     logits, spec, cfg, valid = case
@@ -197,7 +203,8 @@ def test_k0_equal_k_is_vanilla(case):
     torch.testing.assert_close(weights.gather(1, order), v_weights.gather(1, v_order))
 
 
-@settings(max_examples=60, deadline=None)
+@with_boundaries(named=False)
+@settings(max_examples=examples(60))
 @given(routing_cases())
 def test_padding_rows_never_grow_the_union(case):
     logits, spec, cfg, _ = case
@@ -382,3 +389,14 @@ def test_invalid_calls_name_the_field():
         oea.route(torch.randn(2, 16), spec, oea.OEAConfig(2, max_rank=17))
     with pytest.raises(ValueError, match="cfg must be None or one of"):
         oea.route(torch.randn(2, 16), spec, object())
+
+
+def test_a_group_of_one_expert_is_refused_naming_the_field():
+    """A group's score is the sum of its two best experts (DeepSeek-V3 / GLM), so groups need two experts:
+    one expert per group is refused at construction, naming n_group, not routed wrongly."""
+    with pytest.raises(ValueError, match=r"each group needs >= 2 experts .*num_experts=8 and n_group=8"):
+        oea.RouterSpec(8, 2, "sigmoid", n_group=8, topk_group=4)
+    pairs = oea.RouterSpec(8, 2, "sigmoid", n_group=4, topk_group=1)  # two per group: the smallest allowed
+    ids, _ = oea.route(torch.tensor([[0.0, 5.0, 4.0, 0.0, 0.0, 0.0, 3.0, 3.0]]), pairs)
+    # sigmoid group sums: (0, 1) 0.500 + 0.993, (2, 3) 0.982 + 0.500, (4, 5) 1.000, (6, 7) 0.953 + 0.953 = 1.905
+    assert ids[0].tolist() == [6, 7], "the group with the best pair wins over the one with the best expert"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_cases import examples, with_boundaries
 
 import oea
 from oea.routing.ranking import rank_keys, top_indices
@@ -47,13 +48,14 @@ def tied_cases(draw: st.DrawFn):
     cfg = draw(st.sampled_from([
         None, oea.PrunedConfig(k0),
         oea.OEAConfig(k0, min_batch=0, group_fill=draw(st.sampled_from(["in", "cross"]))),
-        oea.OEAConfig(k0, min_batch=0, max_experts=draw(st.integers(k0, k)), max_rank=draw(st.integers(1, n))),
+        oea.OEAConfig(k0, min_batch=0, max_experts=draw(st.integers(k0, k)), max_rank=draw(st.integers(k0, n))),
     ]))
     valid = (torch.rand(m, generator=gen) < 0.7) if draw(st.booleans()) else None
     return logits, spec, cfg, valid
 
 
-@settings(max_examples=150, deadline=None)
+@with_boundaries(named=False)
+@settings(max_examples=examples(150))
 @given(tied_cases())
 def test_route_equals_the_reference_slot_by_slot_on_ties(case):
     """Same ids in the same slots as the literal scan, which breaks ties by a stable sort (lower index)."""

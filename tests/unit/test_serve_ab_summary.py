@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from oea.bench.serve_ab import engine_summary, restart_order, wait_for_load, with_load
-from oea.bench.serve_summary import ab_summary, plot_ab
+from oea.bench.serve.ab import engine_summary, restart_order, wait_for_load, with_load
+from oea.bench.serve.summary import ab_summary, plot_ab
 from oea.launch.vllm import memory_defaults, start_server
 
 
@@ -85,7 +85,7 @@ def test_vllm_cpu_memory_default_only_when_nothing_sizes_memory(monkeypatch: pyt
         def __init__(self, cmd: list[str], env: dict, **kw: object) -> None:
             seen.update(cmd=cmd, env=env, preexec_fn=kw.get("preexec_fn"))
 
-    monkeypatch.setattr("oea.launch.vllm.subprocess.Popen", FakePopen)
+    monkeypatch.setattr("oea.launch.server_process.subprocess.Popen", FakePopen)
     start_server(["--model", "m"], {"PATH": "/bin"}, python="py")
     assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and seen["cmd"][-2:] == ["--host", "127.0.0.1"]
     assert seen["preexec_fn"] is None  # no priority change unless asked
@@ -96,9 +96,9 @@ def test_vllm_cpu_memory_default_only_when_nothing_sizes_memory(monkeypatch: pyt
 
 
 def test_restart_rounds_can_extend_an_earlier_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import oea.bench.serve_ab as serve_ab
+    import oea.bench.serve.ab as serve_ab
     import oea.launch.vllm as launch
-    from oea.bench.serve import BenchConfig
+    from oea.bench.serve.client import BenchConfig
 
     started, seeds = [], []
 
@@ -113,9 +113,11 @@ def test_restart_rounds_can_extend_an_earlier_run(monkeypatch: pytest.MonkeyPatc
         seeds.append(cfg.seed)
         return [{"arm": arms[0].name, "max_concurrency": 1}]
 
+    import oea.launch.server_process as server_process
+
     monkeypatch.setattr(launch, "start_server", fake_start)
-    monkeypatch.setattr(launch, "wait_healthy", lambda server, timeout: None)
-    monkeypatch.setattr(launch, "stop_server", lambda server: None)
+    monkeypatch.setattr(server_process, "wait_healthy", lambda server, timeout, timeout_name=None: None)
+    monkeypatch.setattr(server_process, "stop_server", lambda server: None)
     monkeypatch.setattr(serve_ab, "run_benchmark", fake_run)
     import oea.launch.priority as priority
 
@@ -151,6 +153,9 @@ def test_set_priority_sets_nice_and_the_session_autogroup(monkeypatch: pytest.Mo
     monkeypatch.setattr(priority.os, "setpriority", lambda *args: calls.append(args))
     priority.set_priority(-10)
     assert calls == [(priority.os.PRIO_PROCESS, 0, -10)] and group.read_text() == "-10"
+    group.write_text("")  # some containers show the file empty: no autogroup to set, the nice value still set
+    priority.set_priority(5)
+    assert calls[-1] == (priority.os.PRIO_PROCESS, 0, 5) and group.read_text() == ""
     with pytest.raises(ValueError, match=r"--nice must be in -20\.\.19, got 25"):
         priority.set_priority(25)
 

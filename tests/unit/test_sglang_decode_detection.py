@@ -18,8 +18,6 @@ graph captured for decode.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import logging
 import sys
 import types
@@ -30,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from sglang_stand_ins import FakeMode, fresh_state, stand_in_module, topk_config, topk_module
 
 import oea
 import oea.integrations.sglang.hooks as plugin_hooks
@@ -37,46 +36,19 @@ from oea.config import settings_from_env
 from oea.integrations import sglang as plugin
 from oea.integrations.sglang import doctor as plugin_doctor
 from oea.integrations.sglang import targets as plugin_targets
-from oea.integrations.sglang.state import STATE, State
+from oea.integrations.sglang.state import STATE
 
 LAYOUTS = ("0.5.12", "0.5.13", "0.5.14-0.5.22", "0.5.23")
 EXECUTOR = "sglang.srt.model_executor"
 ROWS, EXPERTS, TOP_K = 8, 64, 8
 
 
-class FakeMode(enum.IntEnum):
-    EXTEND = 1
-    DECODE = 2
-
-    def is_decode(self) -> bool:
-        return self == FakeMode.DECODE
-
-    def is_target_verify(self) -> bool:
-        return False
-
-
-def _topk_config() -> SimpleNamespace:
-    return SimpleNamespace(top_k=TOP_K, use_grouped_topk=False, topk_group=None, num_expert_group=None,
-                           renormalize=True, custom_routing_function=None, correction_bias=None, torch_native=True,
-                           routed_scaling_factor=None, apply_routed_scaling_factor_on_output=False,
-                           output_format=None, scoring_func="softmax", num_shared_topk_slots=0,
-                           allow_routed_experts_capture=True)
-
-
 def _logits(seed: int = 11) -> torch.Tensor:
     return torch.randn(ROWS, EXPERTS, generator=torch.Generator().manual_seed(seed)) * 2.0
 
 
-def _module(monkeypatch: pytest.MonkeyPatch, name: str) -> types.ModuleType:
-    module = types.ModuleType(name)
-    monkeypatch.setitem(sys.modules, name, module)
-    return module
-
-
 def _install_topk(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    topk = _module(monkeypatch, plugin.TOPK_MODULE)
-    topk._use_aiter = False
-    topk.is_routed_scaling_factor_fused_in_topk = lambda cfg: False
+    topk = topk_module(monkeypatch, fused=lambda cfg: False)
     output = namedtuple("StandardTopKOutput", "topk_weights topk_ids router_logits")
 
     def _post_process_topk_ids(*, topk_ids, topk_weights, topk_config, router_logits, layer_id,
@@ -97,20 +69,21 @@ def _install_topk(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def _route_through(topk: types.ModuleType, logits: torch.Tensor) -> torch.Tensor:
     """One MoE layer's routing as the model runs it: ``select_experts`` with a layer's TopKConfig."""
-    return topk.select_experts(torch.zeros(logits.shape[0], 4), logits, _topk_config(), layer_id=0).topk_ids.long()
+    config = topk_config(top_k=TOP_K)
+    return topk.select_experts(torch.zeros(logits.shape[0], 4), logits, config, layer_id=0).topk_ids.long()
 
 
 def fake_sglang(monkeypatch: pytest.MonkeyPatch, layout: str) -> SimpleNamespace:
     """Stand-in SGLang modules for ``layout`` (one of ``LAYOUTS``) in ``sys.modules``."""
     for name in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.moe", EXECUTOR,
                  f"{EXECUTOR}.runner"):
-        _module(monkeypatch, name)
+        stand_in_module(monkeypatch, name)
     topk = _install_topk(monkeypatch)
     with_batch = layout == "0.5.23"
     entered: list[Any] = []  # what each forward_context saw (the stand-ins' own view)
 
     if layout != "0.5.12":
-        fc_module = _module(monkeypatch, plugin_targets.FORWARD_CONTEXT_MODULE)
+        fc_module = stand_in_module(monkeypatch, plugin_targets.FORWARD_CONTEXT_MODULE)
         if with_batch:
             @contextlib.contextmanager
             def forward_context(ctx: Any, *, forward_batch: Any = None) -> Iterator[None]:
@@ -136,7 +109,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch, layout: str) -> SimpleNamespace
             with context(forward_batch):
                 return _route_through(topk, forward_batch.logits)
 
-    _module(monkeypatch, f"{EXECUTOR}.model_runner").ModelRunner = ModelRunner
+    stand_in_module(monkeypatch, f"{EXECUTOR}.model_runner").ModelRunner = ModelRunner
 
     def _capture(runner: Any, rows: int, forward: Any) -> torch.Tensor:
         batch = SimpleNamespace(forward_mode=runner.capture_forward_mode, input_ids=torch.zeros(rows, dtype=torch.long))
@@ -176,24 +149,20 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch, layout: str) -> SimpleNamespace
             return forward_batch
 
     if layout in ("0.5.12", "0.5.13"):
-        _module(monkeypatch, f"{EXECUTOR}.cuda_graph_runner").CudaGraphRunner = CudaGraphRunner
+        stand_in_module(monkeypatch, f"{EXECUTOR}.cuda_graph_runner").CudaGraphRunner = CudaGraphRunner
         cuda_runner, capture = CudaGraphRunner, "capture_one_batch_size"
     else:
-        _module(monkeypatch, f"{EXECUTOR}.runner.decode_cuda_graph_runner").DecodeCudaGraphRunner = \
+        stand_in_module(monkeypatch, f"{EXECUTOR}.runner.decode_cuda_graph_runner").DecodeCudaGraphRunner = \
             DecodeCudaGraphRunner
         cuda_runner, capture = DecodeCudaGraphRunner, "capture_one_shape"
-    _module(monkeypatch, f"{EXECUTOR}.cpu_graph_runner").CPUGraphRunner = CPUGraphRunner
+    stand_in_module(monkeypatch, f"{EXECUTOR}.cpu_graph_runner").CPUGraphRunner = CPUGraphRunner
     return SimpleNamespace(topk=topk, ModelRunner=ModelRunner, cuda_runner=cuda_runner, capture=capture,
                            CPUGraphRunner=CPUGraphRunner, entered=entered)
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch):
-    for field in dataclasses.fields(State):  # the plugin's one STATE, fresh for each test and restored after
-        monkeypatch.setattr(STATE, field.name, getattr(State(), field.name))
-    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH", "OEA_TRACE_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    yield
+def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_state(monkeypatch)
 
 
 def _expected(logits: torch.Tensor, k0: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,6 @@ the same tensors. SGLang's real runners are driven in tests/engines/test_sglang_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import logging
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -18,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from sglang_stand_ins import FakeMode, fresh_state
 
 import oea
 import oea.integrations.sglang.hooks as plugin_hooks
@@ -25,7 +24,7 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.routing as plugin_routing
 from oea.config import settings_from_env
 from oea.integrations.sglang.routing import rewrite_topk
-from oea.integrations.sglang.state import STATE, State
+from oea.integrations.sglang.state import STATE
 
 torch.set_num_threads(1)
 E, TOP_K, K0, LAYERS = 64, 8, 2, 4
@@ -33,20 +32,11 @@ SPEC = oea.RouterSpec(E, TOP_K, "softmax", True)
 CFG = oea.OEAConfig(K0)
 
 
-class Mode(enum.IntEnum):
-    EXTEND = 1
-    DECODE = 2
-
-    def is_decode(self) -> bool:
-        return self == Mode.DECODE
-
-
 @pytest.fixture(autouse=True)
 def oea_on(monkeypatch: pytest.MonkeyPatch):
     # the rewrite's kernel choice does not matter here; oea.route spares each process a JIT compile
     monkeypatch.setattr(plugin_routing, "route_fast", oea.route, raising=False)
-    for field in dataclasses.fields(State):
-        monkeypatch.setattr(STATE, field.name, getattr(State(), field.name))
+    fresh_state(monkeypatch)
     STATE.settings = settings_from_env({"OEA_K0": str(K0)})
     STATE.padding_hooked = {"cuda": True, "cpu": True}  # as found at the first forward with both hooks in place
     STATE.phase_hook_seen = True
@@ -55,7 +45,7 @@ def oea_on(monkeypatch: pytest.MonkeyPatch):
 
 def _batch(rows: int, seed: int = 0) -> SimpleNamespace:
     ids = torch.randint(0, 1000, (rows,), generator=torch.Generator().manual_seed(seed))
-    return SimpleNamespace(forward_mode=Mode.DECODE, input_ids=ids, batch_size=rows)
+    return SimpleNamespace(forward_mode=FakeMode.DECODE, input_ids=ids, batch_size=rows)
 
 
 def _sglang_context(ctx: Any, forward_batch: Any = None) -> contextlib.AbstractContextManager[None]:
@@ -78,7 +68,7 @@ class StandInGraphRunner:
     """SGLang's decode graph runner contract: ``load_batch`` pads to the next captured size, copies the real
     rows into persistent buffers (padding rows keep stale inputs) and leaves ``raw_num_token``."""
 
-    capture_forward_mode = Mode.DECODE
+    capture_forward_mode = FakeMode.DECODE
 
     def __init__(self, capture_bs: tuple[int, ...] = (4, 8, 16)) -> None:
         self.capture_bs = capture_bs
@@ -99,7 +89,7 @@ class StandInGraphRunner:
 def _capture(runner: StandInGraphRunner, bs: int, monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], Any]]:
     """Capture ``LAYERS`` routing calls at batch size ``bs``: Python runs once, in the capture's forward
     context; each returned "graph" re-runs the rewrite on the runner's buffers with what was captured."""
-    capture_batch = SimpleNamespace(forward_mode=Mode.DECODE, input_ids=runner.input_ids[:bs])
+    capture_batch = SimpleNamespace(forward_mode=FakeMode.DECODE, input_ids=runner.input_ids[:bs])
     graphs = []
     with _forward(capture_batch), monkeypatch.context() as capturing:
         capturing.setattr(padding, "tracing", lambda: True)
@@ -152,7 +142,7 @@ def test_same_real_rows_again_writes_nothing_and_the_pre_planned_call_is_free() 
 
 def test_runner_of_a_mode_oea_does_not_reroute_leaves_the_count() -> None:
     runner = StandInGraphRunner()
-    runner.capture_forward_mode = Mode.EXTEND
+    runner.capture_forward_mode = FakeMode.EXTEND
     runner.load_batch(_batch(13))
     assert STATE.padding_fills == 0 and padding.count_for("cpu") is None
 
@@ -170,20 +160,20 @@ def test_sglang_count_wins_over_the_replay_count() -> None:
     runner = StandInGraphRunner()
     runner.load_batch(_batch(13))
     theirs = torch.tensor(10, dtype=torch.int32)
-    with padding.batch_rows(SimpleNamespace(input_ids=runner.input_ids), Mode.DECODE):
+    with padding.batch_rows(SimpleNamespace(input_ids=runner.input_ids), FakeMode.DECODE):
         assert padding.bound(torch.empty(16, E), theirs) is theirs
     assert "sglang" in STATE.padding_mechanisms
 
 
 def test_cpu_runner_prepared_batch_is_bounded_in_eager_routing() -> None:
     """``CPUGraphRunner.prepare_replay`` returns the padded captured batch; its forward runs eagerly."""
-    captured = SimpleNamespace(forward_mode=Mode.DECODE, input_ids=torch.zeros(16, dtype=torch.int64))
+    captured = SimpleNamespace(forward_mode=FakeMode.DECODE, input_ids=torch.zeros(16, dtype=torch.int64))
 
     def prepare_replay(self: Any, forward_batch: Any) -> Any:
         captured.input_ids[: forward_batch.input_ids.shape[0]].copy_(forward_batch.input_ids)
         return captured
 
-    runner = SimpleNamespace(capture_forward_mode=Mode.DECODE)
+    runner = SimpleNamespace(capture_forward_mode=FakeMode.DECODE)
     outer = _batch(13)
     with _forward(outer):  # ModelRunner's forward
         prepared = padding.replay_around(prepare_replay, runner, outer)
@@ -194,14 +184,14 @@ def test_cpu_runner_prepared_batch_is_bounded_in_eager_routing() -> None:
 
 @pytest.mark.parametrize("rows", [8, 32], ids=["sharded", "gathered"])
 def test_routing_rows_other_than_the_batch_get_no_bound(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    with padding.batch_rows(_batch(16), Mode.DECODE):
+    with padding.batch_rows(_batch(16), FakeMode.DECODE):
         monkeypatch.setattr(padding, "tracing", lambda: True)
         assert padding.bound(torch.empty(rows, E), None) is None
     assert STATE.padding_mechanisms == {"none"}
 
 
 def test_nested_half_batch_gets_no_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    with padding.batch_rows(_batch(16), Mode.DECODE), padding.batch_rows(_batch(8, seed=3), Mode.DECODE):
+    with padding.batch_rows(_batch(16), FakeMode.DECODE), padding.batch_rows(_batch(8, seed=3), FakeMode.DECODE):
         monkeypatch.setattr(padding, "tracing", lambda: True)
         assert padding.bound(torch.empty(8, E), None) is None
 
@@ -225,7 +215,7 @@ def test_without_a_replay_hook_captured_routing_keeps_todays_behaviour(monkeypat
     assert padding.DECODE_REPLAY_TARGET in warnings[0] and "--disable-cuda-graph-padding" in warnings[0]
     assert "--cuda-graph-bs-decode" in warnings[0]
     padding.fill("cpu", 16)
-    with padding.batch_rows(_batch(16), Mode.DECODE):
+    with padding.batch_rows(_batch(16), FakeMode.DECODE):
         monkeypatch.setattr(padding, "tracing", lambda: True)
         assert padding.bound(torch.empty(16, E), None) is None  # every row joins the union, as before
 
@@ -234,12 +224,12 @@ def test_replay_hook_never_raises_into_sglang(caplog: pytest.LogCaptureFixture) 
     def load_batch(self: Any, forward_batch: Any) -> str:
         return "loaded"
 
-    runner = SimpleNamespace(capture_forward_mode=Mode.DECODE)  # no raw_num_token: an SGLang that renamed it
+    runner = SimpleNamespace(capture_forward_mode=FakeMode.DECODE)  # no raw_num_token: an SGLang that renamed it
     with caplog.at_level(logging.WARNING, logger="oea.integrations.sglang"):
         assert padding.replay_around(load_batch, runner, _batch(13)) == "loaded"
         assert padding.replay_around(load_batch, runner, _batch(13)) == "loaded"
     assert len([r for r in caplog.records if "real row count" in r.getMessage()]) == 1
-    broken = SimpleNamespace(capture_forward_mode=Mode.DECODE, raw_num_token="13 rows")
+    broken = SimpleNamespace(capture_forward_mode=FakeMode.DECODE, raw_num_token="13 rows")
     assert padding.replay_around(load_batch, broken, _batch(13)) == "loaded"
 
 
@@ -252,3 +242,93 @@ def test_replay_hooks_are_planned_only_where_sglang_has_them(monkeypatch: pytest
     assert not set(plugin_hooks.hooks_status()) & set(plan)  # reported by the padding check, not "hooks live"
     present.add(padding._target_module(padding.DECODE_REPLAY_TARGET))
     assert padding.replay_targets()["cuda"] == padding.DECODE_REPLAY_TARGET
+
+
+# ---------------------------------------------------------------- speculative verify graphs: several tokens per request
+
+WIDTH = 3  # tokens per request of a verify graph (the draft tokens plus one)
+
+
+class StandInVerifyRunner(StandInGraphRunner):
+    """SGLang's graph runner for TARGET_VERIFY with ``captured_req_width`` tokens per request (0.5.14+; older
+    runners call it ``num_tokens_per_bs``): ``load_batch`` pads the requests to the next captured batch size
+    and leaves ``raw_num_token`` = requests x tokens per request, as SGLang computes it."""
+
+    capture_forward_mode = FakeMode.TARGET_VERIFY
+    captured_req_width = WIDTH
+    device = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__(capture_bs=(2, 4))
+        self.input_ids = torch.zeros(4 * WIDTH, dtype=torch.int64)
+
+    def _load_batch(self, forward_batch: Any) -> None:
+        self.bs = next(bs for bs in self.capture_bs if bs >= forward_batch.batch_size)
+        self.input_ids[: forward_batch.input_ids.shape[0]].copy_(forward_batch.input_ids)
+        self.raw_num_token = forward_batch.batch_size * WIDTH
+
+    def load_batch(self, forward_batch: Any) -> None:
+        return padding.replay_around(StandInVerifyRunner._load_batch, self, forward_batch)
+
+
+def _verify_batch(requests: int, seed: int) -> SimpleNamespace:
+    batch = _batch(requests * WIDTH, seed)
+    batch.forward_mode, batch.batch_size = FakeMode.TARGET_VERIFY, requests
+    return batch
+
+
+def test_verify_graphs_count_requests_times_tokens_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OEA_APPLY_TO_VERIFY=1 on a version whose capture hook gives the rows (0.5.12-0.5.22): a verify graph
+    captured for 4 requests routes 4 x 3 rows; replayed for 3 requests, the real rows are 3 x 3 = 9 and
+    the 3 padding rows stay out of the union."""
+    STATE.settings = settings_from_env({"OEA_K0": str(K0), "OEA_APPLY_TO_VERIFY": "1"})
+    runner = StandInVerifyRunner()
+    rows = 4 * WIDTH
+    graphs = []
+
+    def capture_one_shape(self: Any, size: int, forward: Any) -> None:  # warm-up runs eagerly, then the capture
+        monkeypatch.setattr(padding, "tracing", lambda: True)
+        for _ in range(LAYERS):
+            captured_bound = padding.bound(torch.empty(rows, E), None)
+            assert isinstance(captured_bound, torch.Tensor), "a captured verify graph must read the replay count"
+
+            def replay(bound: torch.Tensor = captured_bound) -> tuple[torch.Tensor, torch.Tensor]:
+                logits = _logits_of(runner.input_ids[:rows])
+                vanilla = oea.route(logits, SPEC)
+                return rewrite_topk(vanilla[0].int(), vanilla[1], logits, SPEC, CFG, bound)
+
+            graphs.append(replay)
+
+    plugin_hooks._graph_capture_around(capture_one_shape, runner, 4, None)
+    monkeypatch.setattr(padding, "tracing", lambda: False)
+    runner.load_batch(_verify_batch(4, seed=50))  # stale rows for the padded replay
+    runner.load_batch(_verify_batch(3, seed=51))
+    real = 3 * WIDTH
+    assert int(padding.count_for("cpu")) == real
+    logits = _logits_of(runner.input_ids[:rows])
+    expected = oea.route(logits[:real], SPEC, CFG)
+    for ids, weights in (graph() for graph in graphs):
+        assert torch.equal(ids[:real].long(), expected[0])
+        assert torch.allclose(weights[:real], expected[1], rtol=1e-5, atol=1e-6)
+        assert set(ids[:real].flatten().tolist()) == set(expected[0].flatten().tolist()), "padding rows joined"
+        assert torch.equal(ids[real:], _vanilla_rows(logits)[0][real:])
+
+
+def test_cpu_verify_replay_counts_the_token_rows_of_the_batch_it_was_given() -> None:
+    """``CPUGraphRunner.prepare_replay`` pads a verify batch of 3 requests x 3 tokens to the captured 4 x 3:
+    the real rows are the given batch's 9 token rows, not its 3 requests."""
+    STATE.settings = settings_from_env({"OEA_K0": str(K0), "OEA_APPLY_TO_VERIFY": "1"})
+    captured = SimpleNamespace(forward_mode=FakeMode.TARGET_VERIFY, input_ids=torch.zeros(4 * WIDTH, dtype=torch.int64),
+                               batch_size=4)
+
+    def prepare_replay(self: Any, forward_batch: Any) -> Any:
+        captured.input_ids[: forward_batch.input_ids.shape[0]].copy_(forward_batch.input_ids)
+        return captured
+
+    runner = SimpleNamespace(capture_forward_mode=FakeMode.TARGET_VERIFY, num_tokens_per_bs=WIDTH)
+    outer = _verify_batch(3, seed=52)
+    with _forward(outer):
+        prepared = padding.replay_around(prepare_replay, runner, outer)
+        with _forward(prepared):
+            got = padding.bound(torch.empty(4 * WIDTH, E), None)
+    assert isinstance(got, torch.Tensor) and int(got) == 3 * WIDTH

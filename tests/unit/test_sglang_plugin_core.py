@@ -16,31 +16,22 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from property_cases import examples
+from sglang_stand_ins import FakeMode, fresh_state, topk_config, topk_module
 
 import oea
 import oea.integrations.sglang.hooks as plugin_hooks
 import oea.integrations.sglang.plugin as plugin_entry
 import oea.integrations.sglang.routing as plugin_routing
-from oea.config import read_layer_k0_file, settings_from_env, write_layer_k0_file
+from oea.config import settings_from_env, write_layer_k0_file
 from oea.integrations import sglang as plugin
-from oea.integrations.sglang.state import STATE, State
+from oea.integrations.sglang.fillers import distinct_fillers
+from oea.integrations.sglang.state import STATE
 
 torch.set_num_threads(1)
 REAL_HOOK_PLAN = plugin.hook_plan
-
-
-class FakeMode(enum.IntEnum):
-    EXTEND = 1
-    DECODE = 2
-    TARGET_VERIFY = 3
-
-    def is_decode(self) -> bool:
-        return self == FakeMode.DECODE
-
-    def is_target_verify(self) -> bool:
-        return self == FakeMode.TARGET_VERIFY
 
 
 def _close(weights: torch.Tensor, want: torch.Tensor) -> bool:
@@ -49,15 +40,6 @@ def _close(weights: torch.Tensor, want: torch.Tensor) -> bool:
 
     return bool(torch.equal(weights == 0, want == 0)
                 and ((weights - want).abs() <= WEIGHT_RTOL * want.abs() + WEIGHT_ATOL).all())
-
-
-def topk_config(**overrides: Any) -> SimpleNamespace:
-    fields = dict(top_k=8, use_grouped_topk=False, topk_group=None, num_expert_group=None, renormalize=True,
-                  custom_routing_function=None, correction_bias=None, torch_native=True,
-                  routed_scaling_factor=None, apply_routed_scaling_factor_on_output=False, output_format=None,
-                  scoring_func="softmax", num_shared_topk_slots=0, allow_routed_experts_capture=True)
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
 
 
 def glm_config(**overrides: Any) -> SimpleNamespace:
@@ -69,21 +51,13 @@ def glm_config(**overrides: Any) -> SimpleNamespace:
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch):
-    for field in dataclasses.fields(State):  # the plugin's one STATE, fresh for each test and restored after
-        monkeypatch.setattr(STATE, field.name, getattr(State(), field.name))
-    for name in ("OEA_K0", "SGLANG_OEA_K0", "OEA_MIN_BATCH", "SGLANG_OEA_MIN_BATCH"):
-        monkeypatch.delenv(name, raising=False)
-    yield
+def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_state(monkeypatch)
 
 
 @pytest.fixture
 def fake_topk_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    module = types.ModuleType(plugin.TOPK_MODULE)
-    module._use_aiter = False
-    module.is_routed_scaling_factor_fused_in_topk = lambda cfg: bool(cfg.apply_routed_scaling_factor_on_output)
-    monkeypatch.setitem(sys.modules, plugin.TOPK_MODULE, module)
-    return module
+    return topk_module(monkeypatch)
 
 
 # --------------------------------------------------------------------------- translation
@@ -153,7 +127,8 @@ def test_groups_without_topk_group_pass_through_with_one_warning(
         for _ in range(3):
             assert plugin_routing.post_process_before(**kwargs) is None  # SGLang's own routing, untouched
     warnings = [r.getMessage() for r in caplog.records if "topk_group" in r.getMessage()]
-    assert len(warnings) == 1 and "num_expert_group=8" in warnings[0] and "passing through" in warnings[0]
+    assert len(warnings) == 1 and "num_expert_group=8" in warnings[0]
+    assert "keeps the engine's own routing" in warnings[0]
 
 
 def test_grouped_without_group_limit_is_plain_softmax() -> None:
@@ -211,8 +186,15 @@ def test_exactly_min_batch_rows_are_rewritten(min_batch: int) -> None:
         assert torch.equal(ids, engine[0]) and torch.equal(weights, engine[1])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(st.integers(1, 12), st.integers(0, 4), st.integers(0, 12), st.booleans(), st.integers(0, 2**31 - 1))
+@example(rows=8, min_batch=3, real=2, padded=True, seed=1)  # min_batch - 1 real rows next to padding rows
+@example(rows=8, min_batch=3, real=3, padded=True, seed=1)  # exactly min_batch
+@example(rows=8, min_batch=3, real=4, padded=True, seed=1)  # min_batch + 1
+@example(rows=2, min_batch=3, real=0, padded=False, seed=2)  # unpadded: min_batch - 1, exactly, + 1 rows
+@example(rows=3, min_batch=3, real=0, padded=False, seed=2)
+@example(rows=4, min_batch=3, real=0, padded=False, seed=2)
+@example(rows=6, min_batch=0, real=0, padded=True, seed=3)  # every row padding
 def test_rewrite_equals_route_of_the_real_rows(rows: int, min_batch: int, real: int, padded: bool, seed: int) -> None:
     """Property: the rewrite of a batch equals ``oea.route`` of its real rows alone (or is absent / an
     identity when they are fewer than min_batch); padding rows keep SGLang's output exactly."""
@@ -341,7 +323,7 @@ def test_k0_larger_than_top_k_passes_through(fake_topk_module: types.ModuleType,
     STATE.settings = settings_from_env({"OEA_K0": "9"})
     with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
         assert plugin_routing.post_process_before(**_hook_kwargs(topk_config())) is None
-    assert any("OEA_K0" in r.getMessage() and "top_k=8" in r.getMessage() for r in caplog.records)
+    assert any("OEA_K0 must be in 1..8 (the model's top_k), got 9" in r.getMessage() for r in caplog.records)
 
 
 def test_aiter_and_draft_topks_pass_through(fake_topk_module: types.ModuleType) -> None:
@@ -485,6 +467,15 @@ def test_register_without_oea_k0_installs_nothing() -> None:
     assert STATE.installed_targets == () and STATE.settings is None
 
 
+def test_register_warns_about_an_empty_k0(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("SGLANG_OEA_K0", " ")
+    with caplog.at_level(logging.WARNING):
+        plugin.register()
+    assert STATE.installed_targets == () and STATE.settings is None
+    assert [r.getMessage() for r in caplog.records] == ["oea: SGLANG_OEA_K0 is set but empty: read as unset (OEA is "
+                                                        "off without OEA_K0); unset it, or give it a value"]
+
+
 def test_register_with_malformed_k0_stops_startup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_OEA_K0", "three")
     with pytest.raises(SystemExit, match="SGLANG_OEA_K0 must be an integer"):
@@ -535,33 +526,104 @@ def test_direct_patch_updates_by_name_copies(monkeypatch: pytest.MonkeyPatch) ->
     assert plugin_hooks.has_hook(importer.compute, doubling_before)
 
 
-def test_per_layer_k0_file_sets_each_layers_k0(fake_topk_module: types.ModuleType, tmp_path) -> None:
+def test_per_layer_k0_file_sets_each_layers_k0(fake_topk_module: types.ModuleType, tmp_path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "k0.json"
     write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(1, 6),
                                                     layer_ids=(5, 9)), path)
     STATE.settings = settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)})
-    STATE.layer_schedule = read_layer_k0_file(path)
-    kwargs = _hook_kwargs(glm_config())
-    spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
-    with plugin.forward_mode(FakeMode.DECODE):
-        _, layer5 = plugin_routing.post_process_before(**kwargs)
-        _, layer7 = plugin_routing.post_process_before(**{**kwargs, "layer_id": 7})  # not in the file: OEA_K0
-        _, layer9 = plugin_routing.post_process_before(**{**kwargs, "layer_id": 9})
-        _, layer5_again = plugin_routing.post_process_before(**kwargs)
-    assert torch.equal(layer5["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(1))[0])
-    assert torch.equal(layer7["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(3))[0])
-    assert torch.equal(layer9["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(6))[0])
-    assert torch.equal(layer5_again["topk_ids"], layer5["topk_ids"])  # each layer's config is cached apart
-
-
-def test_per_layer_k0_file_for_another_model_falls_back_visibly(
-    fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture
-) -> None:
-    STATE.settings = settings_from_env({"OEA_K0": "2"})
-    STATE.layer_schedule = oea.routing.LayerK0Schedule(num_experts=128, top_k=8, num_layers=1, k0=(1,))
     kwargs = _hook_kwargs(glm_config())
     spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
     with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
+        _, layer5 = plugin_routing.post_process_before(**kwargs)
+        layer7 = plugin_routing.post_process_before(**{**kwargs, "layer_id": 7})  # not in the file
+        _, layer9 = plugin_routing.post_process_before(**{**kwargs, "layer_id": 9})
+        _, layer5_again = plugin_routing.post_process_before(**kwargs)
+    assert torch.equal(layer5["topk_ids"].long(), _served(kwargs, spec, 1))
+    assert layer7 is None, "a layer the file does not list keeps SGLang's routing"
+    assert any("MoE layer 7 is not in the file (its layer_ids are [5, 9])" in r.getMessage() for r in caplog.records)
+    assert torch.equal(layer9["topk_ids"].long(), _served(kwargs, spec, 6))
+    assert torch.equal(layer5_again["topk_ids"], layer5["topk_ids"])  # each layer's config is cached apart
+
+
+def _served(kwargs: dict[str, Any], spec: oea.RouterSpec, k0: int) -> torch.Tensor:
+    """The ids the plugin hands SGLang for ``oea.route``'s routing at ``k0``: its repeated filler ids renamed
+    (``distinct_fillers``, as SGLang's native MoE needs)."""
+    ids, weights = oea.route(kwargs["router_logits"], spec, oea.OEAConfig(k0))
+    return distinct_fillers(ids, weights, spec.top_k, spec.num_experts)[0]
+
+
+def test_the_layer_files_own_min_batch_decides_when_the_environment_sets_none(fake_topk_module: types.ModuleType,
+                                                                            tmp_path) -> None:
+    """OEA_K0 and OEA_LAYER_K0_FILE set, OEA_MIN_BATCH not: the file's min_batch (4) decides, as in the vLLM
+    and transformers adapters. A decode call of 3 rows keeps SGLang's routing, one of 4 rows is rerouted;
+    with OEA_MIN_BATCH=2 set, 3 rows are rerouted."""
+    path = tmp_path / "k0.json"
+    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=1, k0=(1,), layer_ids=(5,),
+                                                    min_batch=4), path)
+    plugin_entry.install(settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)}))
+    with plugin.forward_mode(FakeMode.DECODE):
+        assert plugin_routing.post_process_before(**_hook_kwargs(glm_config(), rows=3)) is None, "3 rows < 4"
+        kwargs = _hook_kwargs(glm_config(), rows=4)
         _, new = plugin_routing.post_process_before(**kwargs)
-    assert torch.equal(new["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))[0])
-    assert any("num_experts 128 vs 64" in r.getMessage() for r in caplog.records)
+        spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], 64)
+        assert torch.equal(new["topk_ids"].long(), _served(kwargs, spec, 1))
+        plugin_entry.install(settings_from_env({"OEA_K0": "3", "OEA_MIN_BATCH": "2", "OEA_LAYER_K0_FILE": str(path)}))
+        assert plugin_routing.post_process_before(**_hook_kwargs(glm_config(), rows=3)) is not None
+
+
+def test_per_layer_k0_file_for_another_model_keeps_sglangs_routing_visibly(
+    fake_topk_module: types.ModuleType, caplog: pytest.LogCaptureFixture, tmp_path
+) -> None:
+    path = tmp_path / "k0.json"
+    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=128, top_k=8, num_layers=1, k0=(1,)), path)
+    STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_LAYER_K0_FILE": str(path)})
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
+        assert plugin_routing.post_process_before(**_hook_kwargs(glm_config())) is None
+    assert any("calibrated for another model (num_experts: file has 128, model has 64)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_recorded_decode_forwards_carry_each_real_rows_position(fake_topk_module: types.ModuleType, tmp_path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """OEA_TRACE_FILE through the plugin's hooks (stand-ins for SGLang's forward_context and topk): two DECODE
+    forwards of 4 and 3 requests whose routing calls hold 2 padding rows after the real ones (a padded graph
+    batch). The trace holds each real row's position ``seq_lens - 1`` (SGLang's host copy ``seq_lens_cpu``,
+    or ``seq_lens`` when there is none), its request and its router logits; the EXTEND forward between
+    them, and the padding rows, are not recorded."""
+    import contextlib
+
+    import oea.integrations.sglang.recording as recording
+    from oea.config import TraceSettings
+    from oea.traces import load_trace
+
+    for field in dataclasses.fields(recording._Trace):
+        monkeypatch.setattr(recording.TRACE, field.name, getattr(recording._Trace(), field.name))
+    recording.configure(TraceSettings(str(tmp_path / "trace.safetensors")))
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+
+    @contextlib.contextmanager
+    def sglang_forward_context(ctx: Any, *, forward_batch: Any = None):
+        yield
+
+    forwards = [(FakeMode.DECODE, ["a", "b", "c", "d"], [7, 3, 12, 5], True),
+                (FakeMode.EXTEND, ["e"], [30], True),
+                (FakeMode.DECODE, ["b", "e", "a"], [4, 31, 13], False)]
+    recorded = []
+    for seed, (mode, rids, seq_lens, host_copy) in enumerate(forwards):
+        lens = torch.tensor(seq_lens)
+        batch = SimpleNamespace(forward_mode=mode, batch_size=len(rids), rids=rids, seq_lens=lens,
+                                seq_lens_cpu=lens if host_copy else None, input_ids=torch.zeros(len(rids)))
+        logits = torch.randn(len(rids) + 2, 64, generator=torch.Generator().manual_seed(seed))
+        kwargs = {**_hook_kwargs(topk_config(), rows=len(rids) + 2), "router_logits": logits}
+        with plugin_hooks._forward_context_around(sglang_forward_context, None, forward_batch=batch):
+            for layer in (0, 1):
+                plugin_routing.post_process_before(**{**kwargs, "layer_id": layer})
+        if mode is FakeMode.DECODE:
+            recorded.append((rids, seq_lens, logits[: len(rids)]))
+    trace = load_trace(str(recording.TRACE.recorder.close()))
+    assert trace.positions.tolist() == [n - 1 for _, lens, _ in recorded for n in lens]
+    names = trace.meta["request_names"]
+    assert [names[i] for i in trace.request_ids.tolist()] == [r for rids, _, _ in recorded for r in rids]
+    for layer in (0, 1):
+        assert torch.equal(trace.logits[:, layer], torch.cat([x for _, _, x in recorded]))

@@ -88,3 +88,68 @@ def test_repeated_policies_or_k0_are_refused(qwen3: Trace) -> None:
         simulate(qwen3, policies=["oea", "oea"], batch_sizes=[4], num_batches=2)
     with pytest.raises(ValueError, match=r"k0 values must not repeat, got \['3'\]"):
         simulate(qwen3, policies=["oea"], k0s=[3, 3], batch_sizes=[4], num_batches=2)
+
+
+def _six_requests_trace(tmp_path, steps: int = 128) -> tuple[str, Trace]:
+    """6 requests decoding in lockstep for ``steps`` positions, full logits of 2 layers, saved to a file."""
+    from oea.routing import RouterSpec
+    from oea.traces.format import save_trace
+
+    g = torch.Generator().manual_seed(3)
+    tokens = 6 * steps
+    trace = Trace(spec=RouterSpec(32, 4), logits=2 * torch.randn(tokens, 2, 32, generator=g),
+                  request_ids=torch.arange(tokens) % 6, positions=torch.arange(tokens) // 6,
+                  meta={"name": "six-requests"})
+    path = tmp_path / "six.safetensors"
+    save_trace(trace, path)
+    return str(path), trace
+
+
+def _json_rows(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict]:
+    import json
+
+    from oea.cli import main
+
+    assert main(["simulate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("count", [[], ["--num-batches", "600"]], ids=["auto", "fixed-600"])
+def test_lockstep_intervals_count_the_distinct_batches(tmp_path, capsys: pytest.CaptureFixture[str],
+                                                       count: list[str]) -> None:
+    """6 requests x 128 positions at B = 6: every batch is all six requests at one position, so there are
+    exactly 128 distinct batches, whatever count is asked for. The row is their mean with the t interval
+    over those 128 values, counted here by hand: per position, the union of the 6 tokens' top-4 experts."""
+    path, trace = _six_requests_trace(tmp_path)
+    rows = _json_rows(capsys, "--trace", path, "--mode", "lockstep", "--batch-sizes", "6", "--policies", "vanilla",
+                      *count)
+    assert rows[0]["num_batches"] == 128 and rows[0]["distinct_batches"] == 128
+    per_position = [np.mean([len(set(trace.logits[6 * p:6 * p + 6, layer].topk(4).indices.flatten().tolist()))
+                             for layer in range(2)]) for p in range(128)]
+    want = mean_interval(per_position)
+    assert rows[0]["mean_active_experts"] == pytest.approx(want.estimate, abs=1e-9)
+    assert rows[0]["mean_active_experts_ci"] == pytest.approx(want.as_list(), abs=1e-9)
+
+
+@pytest.mark.parametrize("enumerate_limit", [4096, 0], ids=["listed", "redrawn"])
+def test_lockstep_batches_never_repeat_and_a_single_distinct_batch_is_refused(
+        tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, enumerate_limit: int) -> None:
+    """B = 5 of 6 requests: C(6, 5) = 6 distinct batches per position, 48 over 8 positions; asking for 200
+    gives the 48, each once (positions with few batches list them; with the limit at 0 every draw is a random
+    one, redrawn when it repeats). A trace of one position holds a single batch at B = 6: no interval, an error."""
+    import oea.sim.batches
+    from oea.cli import main
+    from oea.sim import make_batches
+
+    monkeypatch.setattr(oea.sim.batches, "ENUMERATE_LIMIT", enumerate_limit)
+    path, trace = _six_requests_trace(tmp_path, steps=8)
+    rows = _json_rows(capsys, "--trace", path, "--mode", "lockstep", "--batch-sizes", "5", "--policies", "vanilla",
+                      "--num-batches", "200")
+    assert rows[0]["num_batches"] == rows[0]["distinct_batches"] == 48
+    batches = make_batches(trace, 5, "lockstep", 200, torch.Generator().manual_seed(0))
+    assert len({frozenset(b) for b in batches.tolist()}) == len(batches) == 48
+    more = make_batches(trace, 5, "lockstep", 10, torch.Generator().manual_seed(1), exclude=batches[:40])
+    assert {frozenset(b) for b in more.tolist()} == {frozenset(b) for b in batches[40:].tolist()}
+    one, _ = _six_requests_trace(tmp_path, steps=1)
+    assert main(["simulate", "--trace", one, "--mode", "lockstep", "--batch-sizes", "6", "--policies", "vanilla"]) == 2
+    assert "holds 1 distinct batch, an interval needs two" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_cases import examples
 
 from oea.stats import (
     Interval,
@@ -237,7 +238,7 @@ def test_constant_differences_are_decided_by_their_sign():
 # ---------------------------------------------------------------- properties
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80))
 @given(samples, st.sampled_from([0.5, 0.8, 0.9, 0.95, 0.99]))
 def test_t_interval_contains_the_mean_and_widens_with_the_level(values, level):
     interval = mean_interval(values, level)
@@ -246,7 +247,7 @@ def test_t_interval_contains_the_mean_and_widens_with_the_level(values, level):
     assert wider.low <= interval.low + 1e-9 and interval.high <= wider.high + 1e-9
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(samples, st.floats(-100, 100), st.floats(0.1, 10))
 def test_t_interval_moves_with_shift_and_scale(values, shift, scale):
     base = mean_interval(values)
@@ -255,7 +256,7 @@ def test_t_interval_moves_with_shift_and_scale(values, shift, scale):
     assert moved.high == pytest.approx(scale * base.high + shift, abs=1e-6 * (1 + abs(scale * base.high + shift)))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80))
 @given(st.lists(st.tuples(finite, finite), min_size=3, max_size=40))
 def test_paired_se_is_the_unpaired_se_corrected_by_the_covariance(pairs):
     a = np.array([p[0] for p in pairs])
@@ -269,7 +270,7 @@ def test_paired_se_is_the_unpaired_se_corrected_by_the_covariance(pairs):
         assert paired.stderr <= unpaired_standard_error(a, b) + 1e-9
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80))
 @given(st.lists(st.tuples(finite, finite), min_size=3, max_size=30), st.sampled_from([0.8, 0.9, 0.95, 0.99]))
 def test_significance_is_the_interval_excluding_zero(pairs, level):
     diff = paired_difference([p[0] for p in pairs], [p[1] for p in pairs], level)
@@ -279,7 +280,7 @@ def test_significance_is_the_interval_excluding_zero(pairs, level):
     assert 0.0 <= diff.p_value <= 1.0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(st.lists(st.floats(1, 1000), min_size=1, max_size=30), st.integers(0, 2**32 - 1))
 def test_bootstrap_bounds_lie_within_the_data(values, seed):
     interval = median_interval(values, np.random.default_rng(seed), resamples=200)
@@ -309,3 +310,22 @@ def test_interval_helpers():
     interval = Interval(2.0, 1.0, 4.0, 0.9, "t")
     assert interval.bounds == (1.0, 4.0) and interval.as_list() == [1.0, 4.0] and interval.half_width == 1.5
     assert interval.contains(1.0) and interval.contains(4.0) and not interval.contains(4.5)
+
+
+def test_proportion_interval_is_wilsons_and_stays_inside_0_1() -> None:
+    from scipy.stats import binomtest
+
+    from oea.stats import proportion_interval
+
+    for successes, trials in [(0, 10), (10, 10), (5, 10), (1, 4), (3, 7), (49, 50)]:
+        got = proportion_interval(successes / trials, trials)
+        want = binomtest(successes, trials).proportion_ci(0.95, method="wilson")  # independent implementation
+        assert got.low == pytest.approx(want.low, abs=1e-12) and got.high == pytest.approx(want.high, abs=1e-12)
+        assert 0.0 <= got.low <= got.estimate <= got.high <= 1.0 and got.method == "wilson"
+    assert proportion_interval(0.5, 10).as_list() == pytest.approx([0.2366, 0.7634], abs=1e-4)  # textbook value
+    assert proportion_interval(1.0, 1).low == pytest.approx(0.2065, abs=1e-4)
+    share = proportion_interval(0.46, 4)  # a t interval over 4 rows gave 46 ±50 (%), past 0
+    assert 0.0 < share.low < 0.46 < share.high < 1.0
+    for bad, trials in [(1.2, 4), (-0.1, 4), (0.5, 0), (0.5, 2.0)]:
+        with pytest.raises(ValueError, match="must be"):
+            proportion_interval(bad, trials)

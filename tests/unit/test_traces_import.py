@@ -165,6 +165,21 @@ def _bad_inputs(tmp: pathlib.Path) -> list[tuple[str, list[str], str]]:
     cases.append(("text.csv", [], r"text\.csv: line 2: column 'id_2' must be an integer, got '3\.5'"))
     (tmp / "cols.csv").write_text("token,layer,id_0,id_1\n0,0,1,2\n")
     cases.append(("cols.csv", [], r"cols\.csv: header lacks columns \['id_2', 'id_3'\]"))
+    np.savez(tmp / "nan_logits.npz", logits=np.full((T, L, N), np.nan, dtype=np.float32))
+    cases.append(("nan_logits.npz", [], r"nan_logits\.npz: field 'logits': router logits must not be NaN .*"
+                                        r"row \(token 0, layer 0\) holds 60 NaN of 60 \(144 of 144 rows hold NaN\)"))
+    some = np.random.default_rng(1).standard_normal((T, L, N)).astype(np.float32)
+    some[7, 1] = -np.inf
+    np.savez(tmp / "masked_row.npz", logits=some)
+    cases.append(("masked_row.npz", [], r"field 'logits': every row needs a logit above -inf .*"
+                                        r"row \(token 7, layer 1\) holds only -inf \(1 of 144 rows\)"))
+    cases.append(("ok.npz", ["--num-experts", "100000"], r"--num-experts must be in 1\.\.32768 \(a trace stores "
+                                                         r"expert ids as int16\), got 100000"))
+    np.savez(tmp / "ids_only.npz", ids=arrays["ids"])
+    cases.append(("ids_only.npz", ["--sort-by-scores"], r"--sort-by-scores reorders each row by its scores, but "
+                                                        r".*ids_only\.npz has no 'scores' \(it holds \['ids'\]\)"))
+    cases.append(("ok.npz", ["--name", ""], r"argument --name: must be a non-empty name, got ''"))
+    cases.append(("ok.npz", ["--name", "  "], r"argument --name: must be a non-empty name"))
     return cases
 
 
@@ -172,10 +187,11 @@ def test_bad_inputs_exit_2_with_one_line_naming_the_problem_and_write_nothing(tm
                                                                               capsys) -> None:
     for name, extra, pattern in _bad_inputs(tmp_path):
         out = tmp_path / "out" / f"{name}.safetensors"
-        extra_flags = dict(zip(extra[::2], extra[1::2], strict=True))
-        argv = ["traces", "import", str(tmp_path / name), "--out", str(out),
-                "--num-experts", extra_flags.get("--num-experts", str(N)),
-                "--top-k", extra_flags.get("--top-k", str(K))]
+        defaults = []
+        for flag, value in (("--num-experts", str(N)), ("--top-k", str(K))):
+            if flag not in extra:
+                defaults += [flag, value]
+        argv = ["traces", "import", str(tmp_path / name), "--out", str(out), *defaults, *extra]
         code = main(argv)
         captured = capsys.readouterr()
         assert code == 2, (name, captured)

@@ -13,6 +13,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from property_cases import examples
 from safetensors.torch import save_file
 
 import oea
@@ -102,6 +105,28 @@ def _step_length(t):
     t["step_ids"] = t["step_ids"][:-1]
 
 
+def _logits(t) -> torch.Tensor:
+    t["logits"] = torch.randn(T, L, N, generator=torch.Generator().manual_seed(1))
+    return t["logits"]
+
+
+def _nan_logits(t):
+    _logits(t)[5, 1, 3:7] = float("nan")
+
+
+def _all_nan_logits(t):
+    _logits(t).fill_(float("nan"))
+
+
+def _unroutable_row(t):
+    _logits(t)[2, 2] = float("-inf")
+
+
+def _nan_bias(t):
+    t["correction_bias"] = torch.zeros(L, N)
+    t["correction_bias"][2, 5] = float("nan")
+
+
 # (mutation, field, regex for the row / detail the message must name)
 CASES: list[tuple[Callable, str, str]] = [
     (_dup, "ids", r"distinct.*row \(token 7, layer 2\).*expert \d+ twice"),
@@ -121,6 +146,10 @@ CASES: list[tuple[Callable, str, str]] = [
     (_negative_step, "step_ids", r">= 0.*token 11 has -1"),
     (_float_steps, "step_ids", r"integers.*7\.5 at token 3"),
     (_step_length, "step_ids", r"expected shape \[T=12\], got \(11,\)"),
+    (_nan_logits, "logits", r"not be NaN.*row \(token 5, layer 1\) holds 4 NaN of 16 \(1 of 36 rows hold NaN\)"),
+    (_all_nan_logits, "logits", r"not be NaN.*\(36 of 36 rows hold NaN\)"),
+    (_unroutable_row, "logits", r"above -inf.*row \(token 2, layer 2\) holds only -inf \(1 of 36 rows\)"),
+    (_nan_bias, "correction_bias", r"finite values, layer 2 expert 5 holds nan"),
 ]
 
 
@@ -228,3 +257,78 @@ def test_every_bundled_trace_passes_the_checks(capsys: pytest.CaptureFixture[str
         assert trace.num_tokens > 0, name
     assert main(["traces", "flame-moe-290m"]) == 0
     assert "best-first order: checked" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- property: one bad entry anywhere is found there
+
+KINDS = ("id out of range", "id below 0", "id repeated", "score above 1", "score below 0", "score rising",
+         "position below 0", "step id below 0")
+FOUND = {"id out of range": ("ids", "0..15"), "id below 0": ("ids", "0..15"), "id repeated": ("ids", "distinct"),
+         "score above 1": ("scores", "above 1"), "score below 0": ("scores", "negative"),
+         "score rising": ("scores", "best first"), "position below 0": ("positions", ">= 0"),
+         "step id below 0": ("step_ids", ">= 0")}
+
+
+def _corrupt(tensors: dict[str, torch.Tensor], kind: str, t: int, layer: int, slot: int) -> None:
+    """Make entry (t, layer, slot) of a clean trace wrong in one way, leaving every other row valid."""
+    ids, scores = tensors["ids"], tensors["scores"]
+    if kind == "id out of range":
+        ids[t, layer, slot] = N
+    elif kind == "id below 0":
+        ids[t, layer, slot] = -1
+    elif kind == "id repeated":
+        ids[t, layer, slot] = ids[t, layer, (slot + 1) % K]
+    elif kind == "score above 1":
+        scores[t, layer, slot] = 1.01
+    elif kind == "score below 0":
+        scores[t, layer, slot] = -1e-6
+    elif kind == "score rising":
+        slot = max(slot, 1)
+        scores[t, layer, slot] = torch.nextafter(scores[t, layer, slot - 1], torch.tensor(2.0))
+    else:
+        tensors["positions" if kind == "position below 0" else "step_ids"][t] = -1
+
+
+@settings(max_examples=examples(60))
+@given(st.sampled_from(KINDS), st.integers(0, T - 1), st.integers(0, L - 1), st.integers(0, K - 1))
+@example("id out of range", 0, 0, 0)
+@example("id out of range", T - 1, L - 1, K - 1)
+@example("score rising", T - 1, L - 1, K - 1)
+@example("score below 0", 0, L - 1, K - 1)
+@example("position below 0", T - 1, 0, 0)
+def test_one_bad_entry_anywhere_is_refused_naming_its_row(kind: str, t: int, layer: int, slot: int) -> None:
+    tensors = _tensors()
+    _corrupt(tensors, kind, t, layer, slot)
+    field, what = FOUND[kind]
+    where = f"token {t}" if field in ("positions", "step_ids") else f"row (token {t}, layer {layer})"
+    with pytest.raises(ValueError, match=rf"^Trace: field '{field}': .*{what}") as error:
+        Trace(spec=oea.RouterSpec(N, K), **tensors)
+    assert where in str(error.value), str(error.value)
+
+
+@settings(max_examples=examples(30))
+@given(st.integers(0, T - 1), st.integers(0, L - 1), st.integers(1, K - 1))
+@example(0, 0, 1)
+@example(T - 1, L - 1, K - 1)
+def test_values_at_the_edge_of_the_rules_are_accepted(t: int, layer: int, slot: int) -> None:
+    """The largest id N - 1, equal neighbouring scores (ties are not a wrong order), a best score one float16
+    ulp above 1 (storage rounding) and position / step id 0 all pass."""
+    tensors = _tensors()
+    row = tensors["ids"][t, layer]
+    if int(N - 1) not in row.tolist():
+        row[slot] = N - 1
+    tensors["scores"][t, layer, slot] = tensors["scores"][t, layer, slot - 1]
+    tensors["scores"][t, layer, 0] = 1.0 + 2.0**-10
+    tensors["positions"][t] = 0
+    tensors["step_ids"][t] = 0
+    trace = Trace(spec=oea.RouterSpec(N, K), **tensors)
+    assert trace.num_tokens == T
+
+
+def test_more_experts_than_int16_ids_hold_are_refused(tmp_path: pathlib.Path) -> None:
+    ids = torch.tensor([[[40000, 1]]])
+    with pytest.raises(ValueError, match=r"^Trace: field 'spec.num_experts': must be in 1\.\.32768 \(expert ids are "
+                                         r"stored as int16\), got 40001"):
+        Trace(spec=oea.RouterSpec(40001, 2), ids=ids)
+    trace = Trace(spec=oea.RouterSpec(32768, 2), ids=torch.tensor([[[32767, 0]]]))
+    assert load_trace(str(save_trace(trace, tmp_path / "wide.safetensors"))).ids[0, 0].tolist() == [32767, 0]

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 import torch
-from vllm_stand_ins import CPURouter, dense, fresh_dynamo, fresh_state, install_vllm, scheduler_output  # noqa: F401 (a fixture)
+from vllm_stand_ins import CPURouter, dense, fresh_state, install_vllm, scheduler_output
 
 import oea.integrations.vllm.layers as layers
 import oea.integrations.vllm.plugin as plugin_module
@@ -133,9 +133,9 @@ def test_a_file_for_another_model_stops_model_load_naming_it(monkeypatch: pytest
 def test_without_oea_k0_or_without_the_file_nothing_changes(monkeypatch: pytest.MonkeyPatch,
                                                             tmp_path: pathlib.Path) -> None:
     state = _state(monkeypatch, {"OEA_LAYER_K0_FILE": _file(tmp_path, (1, 1, 1))})
-    assert state.layer_policies is None and layers.layer_config(0, 8, None) is None
+    assert state.layers is None and layers.layer_config(0, 8, None) is None
     state = _state(monkeypatch, {"OEA_K0": "2"})
-    assert state.layer_policies is None and layers.layer_config(0, 8, state.settings.oea) is state.settings.oea
+    assert state.layers.schedule is None and layers.layer_config(0, 8, state.settings.oea) is state.settings.oea
 
 
 def test_another_policy_with_a_k0_gets_the_layers_k0(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
@@ -146,3 +146,28 @@ def test_another_policy_with_a_k0_gets_the_layers_k0(monkeypatch: pytest.MonkeyP
     assert [(c.k0, c.min_batch, c.boost_rank) for c in got] == [(1, 3, 4), (3, 3, 4), (6, 3, 6)]
     assert all(c.placement is ep.placement for c in got)
     assert layers.layer_config(1, 8, ep) is got[1], "built once per (router, k0)"
+
+
+def test_a_replaced_default_policy_rebuilds_every_layers_config(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: pathlib.Path) -> None:
+    """OEA_POLICY=ep with a per-layer k0 file: when each router's EP-aware config is replaced between steps (EPLB
+    rebalanced onto another placement, or a reload hands the layer a new policy), the next step routes every
+    layer with the new placement and the layer's own k0, never with a config cached from the old one."""
+    import oea.integrations.vllm.placement as placement
+
+    state = _state(monkeypatch, {"OEA_K0": "2", "OEA_POLICY": "ep",
+                                 "OEA_LAYER_K0_FILE": _file(tmp_path, (1, 3, 6), min_batch=2)})
+    contiguous = ExpertPlacement.contiguous(N, 4)
+    interleaved = ExpertPlacement(torch.arange(N) % 4, 4)  # expert e on device e mod 4
+    for placement_now in (contiguous, interleaved, contiguous):
+        for i in range(LAYERS):
+            monkeypatch.setitem(placement.CONFIGS.configs, i, EPOEAConfig(2, placement_now))
+        for layer, (x, weights, ids) in enumerate(_cpu_step(state, 12, seed=40)):
+            want = route(x, CPURouter(num_experts=N, top_k=K).spec(),
+                         EPOEAConfig((1, 3, 6)[layer], placement_now, min_batch=2))
+            where = placement_now.device_of_expert[:5].tolist()
+            torch.testing.assert_close(dense(weights, ids, N), dense(want[1], want[0], N),
+                                       msg=f"layer {layer}, placement starting {where}")
+    x = _logits(12, seed=41)  # layer 1's input: the two placements route it differently
+    spec = CPURouter(num_experts=N, top_k=K).spec()
+    assert not torch.equal(*(dense(*reversed(route(x, spec, EPOEAConfig(3, p))), N) for p in (contiguous, interleaved)))

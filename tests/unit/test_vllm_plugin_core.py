@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 from vllm_stand_ins import swap_state
 
+import oea.integrations.metrics as plugin_metrics
 import oea.integrations.vllm as plugin
 import oea.integrations.vllm.doctor as plugin_doctor
-import oea.integrations.vllm.metrics as plugin_metrics
 import oea.integrations.vllm.plugin as plugin_hooks
-from oea.config import metrics_flush_interval
+from oea.config import metrics_flush_interval, write_layer_k0_file
 from oea.integrations.vllm.state import STATE, State
+from oea.routing import LayerK0Schedule
 
 torch.set_num_threads(1)
 
@@ -65,6 +67,17 @@ def test_register_is_inert_without_oea_env(monkeypatch: pytest.MonkeyPatch) -> N
     swap_state(monkeypatch, State())
     plugin.register()  # vLLM is not importable here: any patching attempt would raise
     assert not STATE.installed and STATE.mode == "off"
+
+
+def test_register_warns_once_about_an_empty_k0(monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("OEA_K0", "")
+    swap_state(monkeypatch, State())
+    with caplog.at_level(logging.WARNING):
+        plugin.register()
+    assert not STATE.installed and STATE.mode == "off"
+    assert [r.getMessage() for r in caplog.records] == [
+        "oea: OEA_K0 is set but empty: read as unset (OEA is off without OEA_K0); unset it, or give it a value"]
 
 
 @pytest.mark.parametrize(("var", "value"), [("OEA_K0", "three"), ("OEA_K0", "0"), ("OEA_MIN_BATCH", "-1"),
@@ -127,7 +140,7 @@ def test_grouped_router_without_topk_group_keeps_stock_routing_with_one_warning(
         plugin_hooks._after_load(torch.nn.Sequential(*(_MoELayer(grouped(None)) for _ in range(3))))
     assert state.specs == [None, None, None] and state.decode_flag is not None
     warnings = [r.getMessage() for r in caplog.records if "topk_group" in r.getMessage()]
-    assert len(warnings) == 1 and "keeps stock routing" in warnings[0]
+    assert len(warnings) == 1 and "keeps the engine's own routing" in warnings[0]
 
 
 def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:
@@ -166,10 +179,13 @@ def test_doctor_says_what_the_plugin_does_with_the_layer_k0_file(monkeypatch: py
     monkeypatch.setenv("OEA_K0", "2")
     assert plugin_doctor._check_environment() == "OEA on: k0=2 min_batch=2"
     monkeypatch.setenv("OEA_LAYER_K0_FILE", str(tmp_path / "k0.json"))
+    with pytest.raises(RuntimeError, match="per-layer k0 file not found"):  # read as register reads it
+        plugin_doctor._check_environment()
+    write_layer_k0_file(LayerK0Schedule(16, 4, 2, (1, 3)), tmp_path / "k0.json")
     assert plugin_doctor._check_environment() == f"OEA on: k0=2 min_batch=2, k0 per layer from {tmp_path / 'k0.json'}"
     monkeypatch.delenv("OEA_K0")
     env = {c["name"]: c for c in plugin.doctor_checks()}["environment"]
-    assert not env["ok"] and "OEA_K0 is not: OEA is off, so the per-layer k0 are not used" in env["detail"]
+    assert not env["ok"] and "is set but OEA_K0 is not: OEA is off without OEA_K0" in env["detail"]
     monkeypatch.delenv("OEA_LAYER_K0_FILE")
     monkeypatch.setenv("OEA_TIMING", "1")
     assert plugin_doctor._check_environment() == "observe: stock routing, measured, timing"

@@ -13,7 +13,7 @@ from vllm_stand_ins import (
     scheduler_output,
 )
 
-import oea.integrations.vllm.metrics as plugin_metrics
+import oea.integrations.metrics as plugin_metrics
 import oea.integrations.vllm.routing as plugin_routing
 import oea.integrations.vllm.steps as plugin_steps
 from oea.routing import OEAConfig, route
@@ -245,3 +245,44 @@ def test_logits_gathered_across_dp_ranks_keep_stock_routing(monkeypatch: pytest.
     _assert_stock(out, stock)
     out, stock = _step(router, [1] * 5, _logits(5, seed=42))  # this rank's own 5 rows
     torch.testing.assert_close(dense(*out, N), _oea(_logits(5, seed=42), 2))
+
+
+def test_the_metrics_files_routed_hash_is_of_the_real_rows_alone(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """``OEA_METRICS_FILE``: the same 5 real rows routed once alone and once with 3 padding rows between them
+    (a padded graph batch) give the same ``routed`` hash per layer, which is BLAKE2b over the real rows' ids
+    (int64) and weights (float32) only: ranks that route the same rows compare equal."""
+    import hashlib
+    import json
+
+    import oea.integrations.vllm.plugin as plugin_hooks
+
+    class MoELayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = CPURouter()
+
+    context = install_vllm(monkeypatch)
+    path = tmp_path / "metrics.jsonl"
+    state = fresh_state(monkeypatch, {"OEA_K0": "2", "OEA_METRICS_FILE": str(path)})
+    plugin_hooks._after_load(torch.nn.Sequential(MoELayer(), MoELayer()))
+    real = _logits(5, seed=30)
+    padding = torch.tensor([False, True, False, False, True, False, False, True])
+    padded = torch.empty(8, N)
+    padded[~padding], padded[padding] = real, _logits(3, seed=31)
+    outputs = []
+    for logits, mask in ((real, None), (padded, padding)):
+        context.is_padding = mask
+        plugin_steps.begin_step(scheduler_output([1] * 5))
+        try:
+            outputs.append([plugin_routing.cpu_route_body(logits, *state.routers[i].route_stock(logits), i)
+                            for i in range(2)])
+        finally:
+            plugin_steps.end_step()
+    state.metrics.flush()
+    alone, with_padding = (json.loads(line) for line in path.read_text().splitlines())
+    assert (with_padding["rows"], with_padding["padding_rows"], with_padding["oea"]) == (5, 3, True)
+    assert len(with_padding["routed"]) == 2 and with_padding["routed"] == alone["routed"]
+    for layer, (weights, ids) in enumerate(outputs[1]):
+        digest = hashlib.blake2b(ids[~padding].to(torch.int64).numpy().tobytes(), digest_size=8)
+        digest.update(weights[~padding].to(torch.float32).numpy().tobytes())
+        assert with_padding["routed"][layer] == digest.hexdigest()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from vllm_stand_ins import CPURouter, fresh_dynamo, fresh_state, install_vllm, scheduler_output  # noqa: F401 (a fixture)
+from vllm_stand_ins import CPURouter, fresh_state, install_vllm, scheduler_output
 
 import oea
 import oea.integrations.vllm.plugin as plugin_module

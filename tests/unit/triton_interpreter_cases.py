@@ -17,10 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_cases import SWEEP, examples, seeded, with_boundaries
 
 import oea
 from oea.kernels import plan, route_fast, triton_available
-from tests.unit.test_kernels import SWEEP
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not triton_available(), reason="the project's dev extra installs Triton")
@@ -31,10 +31,11 @@ def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**31 - 1))
-def test_triton_kernel_equals_route(seed):
-    logits, spec, cfg, valid = SWEEP.random_case(seed, max_rows=20, sizes=(4, 8, 12, 24, 32, 64))
+@with_boundaries()
+@settings(max_examples=examples(40))
+@given(st.integers(0, 2**31 - 1).map(lambda seed: seeded(seed, max_rows=20, sizes=(4, 8, 12, 24, 32, 64))))
+def test_triton_kernel_equals_route(case):
+    logits, spec, cfg, valid = case.case
     assert plan(logits, spec, cfg, impl="triton")[0] == "triton"
     got = route_fast(logits, spec, cfg, valid, impl="triton")
     assert SWEEP.mismatch(got, oea.route(logits, spec, cfg, valid)) is None

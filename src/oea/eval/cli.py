@@ -14,7 +14,9 @@ from oea.console import (
     check_unique,
     float_between,
     format_interval,
+    format_p_value,
     int_at_least,
+    seed_value,
     wide_console,
 )
 
@@ -33,7 +35,7 @@ def _eval(args: argparse.Namespace) -> int:
     generate_tokens = 0 if args.no_generate else args.generate_tokens
     options = {"batch_sizes": args.batch_sizes, "k0s": args.k0, "policies": args.policies,
                "num_batches": args.num_batches, "positions": args.positions, "seed": args.seed,
-               "generate_tokens": generate_tokens}
+               "generate_tokens": generate_tokens, "draft_tokens": args.draft_tokens}
     if args.json:
         print(json.dumps(evaluate(args.model, **options), indent=1))
         return 0
@@ -42,7 +44,10 @@ def _eval(args: argparse.Namespace) -> int:
     with Console(stderr=True).status("evaluating") as status:
         rows = evaluate(args.model, progress=lambda text: status.update(f"evaluating {text}"), **options)
     console = wide_console()
-    console.print(results_table(rows, args.model or "embedded model"))
+    title = args.model or "embedded model"
+    if args.draft_tokens:
+        title += f", verify-shaped steps: B x (1 + {args.draft_tokens}) rows routed together"
+    console.print(results_table(rows, title))
     console.print(verdict_note(rows))
     return 0
 
@@ -52,7 +57,8 @@ def verdict_note(rows: list[dict[str, Any]]) -> str:
     from oea.eval.summary import PAPER_RULE
 
     rule = rows[0]["verdict_rule"] if rows else ""
-    return (f"[...] = 95% interval. verdict: {rule}; 'worse'/'better' when the interval of ΔCE excludes 0. "
+    return (f"[...] = 95% interval. verdict: {rule}; 'worse'/'better' when the interval of ΔCE excludes 0, "
+            f"'identical' (p: -) when every document's CE equals vanilla's. "
             f"paper rule (for comparison): {PAPER_RULE}. T and experts/token: means over decode steps.")
 
 
@@ -69,7 +75,7 @@ def results_table(rows: list[dict[str, Any]], title: str) -> Any:
         table.add_row(
             str(r["batch_size"]), r["policy"], "-" if r["k0"] is None else str(r["k0"]),
             format_interval(r["cross_entropy"], r["cross_entropy_ci"], 4),
-            format_interval(r["delta_ce"], r["delta_ce_ci"], 4, signed=True), f"{r['delta_p_value']:.2g}",
+            format_interval(r["delta_ce"], r["delta_ce_ci"], 4, signed=True), format_p_value(r["delta_p_value"]),
             r["verdict"], r["paper_verdict"],
             format_interval(r["mean_active_experts"], r["mean_active_experts_ci"], 1),
             format_interval(r["active_vs_vanilla"], r["active_vs_vanilla_ci"], 2),
@@ -144,7 +150,11 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--generate-tokens", type=int_at_least(0), default=16,
                    help="greedy tokens for the generation-agreement check")
     p.add_argument("--no-generate", action="store_true", help="skip the generation-agreement check")
-    p.add_argument("--seed", type=int, default=0, help="shuffles the document order")
+    p.add_argument("--draft-tokens", type=int_at_least(0), default=0, metavar="D",
+                   help="verify-shaped decode steps: each window feeds its next 1 + D tokens per step and the "
+                        "B x (1 + D) rows are routed together, as a speculative verify step with every draft "
+                        "accepted (D <= 6; --positions a multiple of 1 + D); 0: plain decode")
+    p.add_argument("--seed", type=seed_value, default=0, help="shuffles the document order")
     p.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(handler=_eval)

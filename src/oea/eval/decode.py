@@ -4,6 +4,12 @@ Lock-step decode: B windows advance together; the first ``prefill`` tokens go th
 forward (vanilla routing: OEA is decode-only), then every later position is one decode forward of
 B tokens (input ``[B, 1]`` with the KV cache), so the router at position t sees exactly the B tokens
 at t, as a serving engine's decode step would.
+
+Verify-shaped (``step_tokens`` = 1 + d > 1): each forward feeds every window's next 1 + d tokens
+(``[B, 1 + d]`` with the KV cache), so the router sees the B (1 + d) rows a speculative verify step routes
+together (the last sampled token and d drafts per request, every draft the true next token: all accepted),
+and each of the 1 + d positions is scored. The handle must treat such a forward as a decode step
+(``oea.attach(..., decode_tokens=1 + d)``).
 """
 
 from __future__ import annotations
@@ -79,18 +85,25 @@ def _cache_kwarg(model: Any) -> str:
 
 @torch.no_grad()
 def lockstep_cross_entropy(
-    model: Any, ids: torch.Tensor, prefill: int, handle: Any | None = None, counts: DecodeCounts | None = None
+    model: Any, ids: torch.Tensor, prefill: int, handle: Any | None = None, counts: DecodeCounts | None = None,
+    step_tokens: int = 1,
 ) -> torch.Tensor:
     """Per-token next-token CE (nats) of windows ``ids`` [B, L] decoded in lock step -> [B, L - prefill - 1].
 
-    Position ``prefill + j`` is fed at decode step j and predicts token ``prefill + j + 1``. With a
-    ``handle`` and ``counts``, the routing statistics of each decode step are added to ``counts``
-    (the prefill forward is not a decode step and is not counted).
+    Position ``prefill + j`` is fed at decode step ``j // step_tokens`` and predicts token ``prefill + j + 1``;
+    each decode step feeds ``step_tokens`` positions per window (1: plain decode; 1 + d: verify-shaped), so
+    ``L - prefill - 1`` must be a multiple of ``step_tokens``. With a ``handle`` and ``counts``, the routing
+    statistics of each decode step are added to ``counts`` (the prefill forward is not a decode step and is
+    not counted).
     """
     from transformers import DynamicCache
 
     if not 1 <= prefill < ids.shape[1] - 1:
         raise ValueError(f"prefill must be in 1..{ids.shape[1] - 2} for windows of {ids.shape[1]}, got {prefill}")
+    scored = ids.shape[1] - prefill - 1
+    if step_tokens < 1 or scored % step_tokens or step_tokens >= prefill:
+        raise ValueError(f"step_tokens must be in 1..{prefill - 1} (below the prefill's {prefill} tokens) and "
+                         f"divide the {scored} scored positions, got {step_tokens}")
     cache_name = _cache_kwarg(model)
     cache = DynamicCache()
     out = model(input_ids=ids[:, :prefill], use_cache=True, **{cache_name: cache})
@@ -98,17 +111,19 @@ def lockstep_cross_entropy(
     track = handle is not None and counts is not None
     before = handle_totals(handle) if track else None
     losses = []
-    for t in range(prefill, ids.shape[1] - 1):
-        position = torch.full((ids.shape[0], 1), t, dtype=torch.int64)
-        out = model(input_ids=ids[:, t : t + 1], position_ids=position, use_cache=True, **{cache_name: cache})
+    for t in range(prefill, ids.shape[1] - 1, step_tokens):
+        position = torch.arange(t, t + step_tokens, dtype=torch.int64).expand(ids.shape[0], step_tokens)
+        out = model(input_ids=ids[:, t : t + step_tokens], position_ids=position, use_cache=True,
+                    **{cache_name: cache})
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
-        logits = out.logits[:, -1].float()
-        losses.append(torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none"))
+        logits = out.logits[:, -step_tokens:].float()  # [B, s, V]
+        targets = ids[:, t + 1 : t + 1 + step_tokens]  # [B, s]
+        losses.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none"))
         if track:  # per step, so that the routing figures get intervals over decode steps
             after = handle_totals(handle)
             add_counts(counts, before, after)
             before = after
-    return torch.stack(losses, dim=1)
+    return torch.cat(losses, dim=1)
 
 
 @torch.no_grad()

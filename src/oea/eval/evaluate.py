@@ -18,7 +18,7 @@ import torch
 
 from oea.eval.decode import DecodeCounts, greedy_generate, lockstep_cross_entropy
 from oea.eval.sequences import document_windows, make_batches
-from oea.eval.summary import ci_or_none, quality_fields, routing_fields
+from oea.eval.summary import quality_fields, routing_fields
 
 POLICIES: tuple[str, ...] = ("vanilla", "pruned", "oea")
 PREFILL_TOKENS = 8  # window tokens given as a prefill before the lock-step decode starts
@@ -67,6 +67,16 @@ def _check_arguments(policies: Sequence[str], k0s: Sequence[int], top_k: int, ba
             raise ValueError(f"batch sizes must be integers >= 1, got {b!r}")
 
 
+def _check_draft_tokens(draft_tokens: int, positions: int) -> None:
+    """Verify-shaped decoding needs 1 + d below the prefill's length and dividing ``positions``."""
+    most = PREFILL_TOKENS - 2
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 0 <= draft_tokens <= most:
+        raise ValueError(f"draft_tokens (--draft-tokens) must be an integer in 0..{most}, got {draft_tokens!r}")
+    if positions % (1 + draft_tokens):
+        raise ValueError(f"positions ({positions}, --positions) must be a multiple of 1 + draft_tokens "
+                         f"({1 + draft_tokens}): each verify-shaped decode step scores 1 + d positions per window")
+
+
 def _num_batches(batch_size: int, num_batches: int | None) -> int:
     """Batches at one batch size: ``num_batches`` or enough for ``DOCUMENTS_PER_SIZE`` windows; an
     interval over documents needs at least two of them."""
@@ -79,16 +89,18 @@ def _num_batches(batch_size: int, num_batches: int | None) -> int:
     return count
 
 
-def _run_policy(model: Any, cfg: object | None, batches: list, generate_tokens: int) -> dict[str, Any]:
-    """Decode every batch under ``cfg`` (None = vanilla); per-row CE, counts and generated tokens."""
+def _run_policy(model: Any, cfg: object | None, batches: list, generate_tokens: int, step_tokens: int = 1
+                ) -> dict[str, Any]:
+    """Decode every batch under ``cfg`` (None = vanilla), ``step_tokens`` positions per window and decode step;
+    per-row CE, counts and generated tokens."""
     import oea
 
     counts = DecodeCounts()
     losses = []
-    handle = oea.attach(model, cfg, decode_only=True)
+    handle = oea.attach(model, cfg, decode_only=True, decode_tokens=step_tokens)
     try:
         for batch in batches:
-            losses.append(lockstep_cross_entropy(model, batch.ids, PREFILL_TOKENS, handle, counts))
+            losses.append(lockstep_cross_entropy(model, batch.ids, PREFILL_TOKENS, handle, counts, step_tokens))
         generated = None
         if generate_tokens:
             generated = greedy_generate(model, batches[0].ids[:, :PROMPT_TOKENS], generate_tokens)
@@ -120,6 +132,7 @@ def evaluate(
     tokenizer: Any = None,
     progress: Any = None,
     extra_policies: Sequence[tuple[str, object]] = (),
+    draft_tokens: int = 0,
 ) -> list[dict[str, Any]]:
     """Evaluate routing policies on held-out text by teacher-forced lock-step batched decoding.
 
@@ -141,6 +154,10 @@ def evaluate(
         extra_policies: ``(label, config)`` pairs evaluated after the named policies at every B, for
             configs ``make_policy`` cannot build from a k0 alone (budget, subtractive, adaptive,
             per-layer ...); their rows carry ``policy=label`` and ``k0`` = the config's k0 or None.
+        draft_tokens: d > 0 makes every decode step verify-shaped: each window feeds its next 1 + d tokens
+            and the B (1 + d) rows are routed together, as in a speculative verify step whose d drafts are all
+            accepted; ``positions`` must be a multiple of 1 + d. 0: plain decode (one token per window).
+            Generation agreement still comes from plain greedy decoding.
 
     Returns:
         One dict per (B, policy, k0): ``policy``, ``k0`` (None for vanilla), ``batch_size``,
@@ -153,7 +170,8 @@ def evaluate(
         ``active_vs_vanilla`` (its ratio to vanilla's, interval paired by decode step),
         ``mean_experts_per_token``, ``generation_agreement`` (share of generated tokens equal to
         vanilla's; None when not measured), each with a ``*_ci`` ``[low, high]`` (None where it rests
-        on one item); ``documents``, ``tokens``, ``decode_steps``, ``num_batches``, ``positions``.
+        on one item); ``documents``, ``tokens``, ``decode_steps``, ``num_batches``, ``positions``,
+        ``draft_tokens`` and ``rows_per_step`` (B (1 + d): the rows each decode step routes together).
         See ``oea.eval.summary`` for the statistics.
 
     Raises:
@@ -169,6 +187,8 @@ def evaluate(
         raise ValueError(f"positions must be >= 1, got {positions}")
     if generate_tokens < 0:
         raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
+    _check_draft_tokens(draft_tokens, positions)
+    step_tokens = 1 + draft_tokens
     model, tokenizer, model_dir = _resolve_model(model, tokenizer)
     top_k = min(layer.spec.top_k for layer in find_moe_layers(model))
     _check_arguments(policies, k0s, top_k, batch_sizes)
@@ -186,7 +206,7 @@ def evaluate(
         for name, k0, cfg in runs:
             if progress is not None:
                 progress(f"B={batch_size} {name}" + ("" if k0 is None else f" k0={k0}"))
-            result = _run_policy(model, cfg, batches, generate_tokens)
+            result = _run_policy(model, cfg, batches, generate_tokens, step_tokens)
             per_doc = _per_document_ce(result["losses"], batches)
             counts: DecodeCounts = result["counts"]
             is_reference = reference is None  # the first run is vanilla
@@ -206,14 +226,24 @@ def evaluate(
                 "decode_steps": len(counts.step_active),
                 "num_batches": count,
                 "positions": positions,
+                "draft_tokens": draft_tokens,
+                "rows_per_step": batch_size * step_tokens,
             })
     return rows
 
 
 def _agreement(generated: torch.Tensor | None, vanilla: torch.Tensor | None) -> tuple[float | None, list | None]:
-    """Share of decode-step generated tokens (all but the prefill's first) equal to vanilla's, and the
-    t interval of its mean over rows (``None`` for a single row)."""
+    """Share of decode-step generated tokens (all but the prefill's first) equal to vanilla's, and its Wilson
+    interval with the rows as trials (``None`` for a single row).
+
+    Rows, not tokens, are the independent trials: once a row's greedy continuation differs from vanilla's,
+    its later tokens follow from that one difference. A mean of per-row shares has at most the variance of a
+    proportion, so the interval (``oea.stats.proportion_interval``) is conservative and stays in [0, 1].
+    """
+    from oea.stats import proportion_interval
+
     if generated is None or vanilla is None or generated.shape[1] < 2:
         return None, None
     per_row = (generated[:, 1:] == vanilla[:, 1:]).double().mean(dim=1).tolist()
-    return float(sum(per_row) / len(per_row)), ci_or_none(per_row)
+    share = min(1.0, max(0.0, sum(per_row) / len(per_row)))
+    return share, proportion_interval(share, len(per_row)).as_list() if len(per_row) >= 2 else None

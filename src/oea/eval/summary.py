@@ -10,6 +10,9 @@ mean over its scored tokens, and every policy decodes the same documents in the 
   ``"better"`` when the 95% interval of the mean difference excludes 0, else
   ``"no significant difference"``. Pairing removes the document-to-document spread the two
   policies share, which is far larger than the differences themselves;
+* ``verdict`` is ``"identical"`` (and ``delta_p_value`` null) when every document's cross-entropy equals
+  vanilla's exactly, as for batches below ``min_batch`` or k0 = top_k, where the policy keeps the router's
+  own routing: a p-value of differences that are all zero would suggest a test that never ran;
 * ``paper_verdict`` is the rule of the OEA paper, kept beside it for comparison
   (``PAPER_RULE``): ``"worse"`` only when the ±1 SE intervals of the two means do not overlap.
   With per-document spread of ~0.3 nats it cannot call a +0.3-nat loss worse.
@@ -33,6 +36,7 @@ from oea.stats import DEFAULT_LEVEL, mean_interval, paired_difference, ratio_of_
 VERDICT_RULE = "paired t-test on per-document ΔCE (policy − vanilla), two-sided, 95%"
 PAPER_RULE = "paper's rule: worse iff CE − SE > vanilla CE + vanilla SE (SE over documents)"
 REFERENCE = "reference"  # the verdict of the vanilla row itself
+IDENTICAL = "identical"  # every document's CE equals vanilla's bit for bit: no test to run
 
 
 def paper_verdict(mean: float, stderr: float, vanilla_mean: float, vanilla_stderr: float) -> str:
@@ -69,8 +73,11 @@ def quality_fields(per_document: Mapping[int, float], reference: Mapping[int, fl
     if sorted(reference) != docs:
         raise ValueError("a policy and vanilla must be evaluated on the same documents")
     control = [reference[d] for d in docs]
-    diff = paired_difference(values, control)
     vanilla_stderr = standard_error(control)
+    if values == control:
+        return {**fields, "delta_ce": 0.0, "delta_ce_ci": [0.0, 0.0], "delta_stderr": 0.0, "delta_p_value": None,
+                "verdict": IDENTICAL, "paper_verdict": IDENTICAL, "verdict_rule": VERDICT_RULE}
+    diff = paired_difference(values, control)
     return {
         **fields,
         "delta_ce": diff.mean,

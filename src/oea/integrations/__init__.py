@@ -3,5 +3,17 @@
 * ``oea.integrations.transformers``: ``attach`` / ``maybe_attach`` for Hugging Face transformers 5.x.
 * ``oea.integrations.vllm``: the vLLM general plugin (entry point ``oea.integrations.vllm:register``).
 * ``oea.integrations.sglang``: the SGLang plugin (entry point ``oea.integrations.sglang:register``).
-* ``oea.integrations.doctor``: ``oea doctor`` (its shared check helpers: ``doctor_common``).
+* ``oea.integrations.doctor``: ``oea doctor`` (``doctor_cli``: its command; ``doctor_common``: the check
+  helpers every engine's doctor uses; ``doctor_env``: the check of the ``OEA_*`` environment; ``doctor_gpu``:
+  ``oea doctor gpu``; ``served``: what a server's ``OEA_METRICS_FILE`` says, ``oea doctor --metrics-file``).
+
+Engine-free modules every adapter uses, so that no rule is written twice:
+
+* ``runtime``: warn-once, graph-capture detection, the process rank, method wrapping;
+* ``placement``: expert placements read from an engine (``OEA_POLICY=ep``), refreshed after a rebalance;
+* ``metrics``: the ``OEA_METRICS_FILE`` rows (``StepRecord``, ``MetricsWriter``);
+* ``recorder`` and ``trace_file``: ``OEA_TRACE_FILE``'s recorder and the file it writes (the format's names:
+  ``oea.trace_schema``); ``recording_common``: what the engines' recording modules share around it;
+* ``hook_targets``: how each plugin declares the engine names it relies on (``vllm/targets.py``,
+  ``sglang/targets.py``), checked against the released wheels.
 """

@@ -10,11 +10,12 @@ Each engine adapter ``oea.integrations.<engine>`` provides two functions, import
 The report (``--json``)::
 
     {"ok": bool, "environment": {"ok": bool, "checks": [{"name", "ok", "detail"}]},
-     "engines": [{"name", "version", "installed", "ok", "checks": [{"name", "ok", "detail"}]}]}
+     "engines": [{"name", "version", "installed", "ok", "checks": [{"name", "ok", "detail"}]}],
+     "served": {"ok", "path", "checks": [...]}}      # only with --metrics-file
 
 An engine that is not installed is reported as such: for ``all`` that is not a failure, for a
 named engine it is (with the install hint). ``environment`` checks every ``OEA_*`` variable that can be
-checked without a model (``oea.config.check_environment``); a broken one fails the report.
+checked without a model (``oea.integrations.doctor_env.check_environment``); a broken one fails the report.
 """
 
 from __future__ import annotations
@@ -93,25 +94,34 @@ def _validated(found: Any) -> list[Check]:
 
 
 def environment_report() -> dict[str, Any]:
-    """Every ``OEA_*`` variable of this process checked without a model (``oea.config.check_environment``):
+    """Every ``OEA_*`` variable of this process checked without a model (``doctor_env.check_environment``):
     ``{"ok", "checks": [{"name", "ok", "detail"}]}``."""
-    from oea.config import check_environment
+    from oea.integrations.doctor_env import check_environment
 
     checks = [check(found.name, found.ok, found.detail) for found in check_environment()]
     return {"ok": all(c["ok"] for c in checks), "checks": checks}
 
 
-def run_doctor(engine: str = "all") -> tuple[dict[str, Any], int]:
+def run_doctor(engine: str = "all", metrics_file: str | None = None, min_batch: int = 2) -> tuple[dict[str, Any], int]:
     """Build the report for ``engine`` (one of ``ENGINES`` or ``"all"``) and its exit code (0 = all good).
 
     The ``OEA_*`` environment is always checked; a broken variable fails the report whatever the engine.
+    ``metrics_file``: a server's ``OEA_METRICS_FILE``, read into a ``served`` block (``oea.integrations.served``:
+    did OEA engage in its decode forwards with >= ``min_batch`` real rows); a failed one fails the report.
     """
     names = ENGINES if engine == "all" else (engine,)
     reports = [engine_report(name) for name in names]
     environment = environment_report()
     counted = [r for r in reports if r["installed"] or engine != "all"]
     ok = all(r["ok"] for r in counted) and environment["ok"]
-    return {"ok": ok, "environment": environment, "engines": reports}, 0 if ok else 1
+    report: dict[str, Any] = {"ok": ok, "environment": environment, "engines": reports}
+    if metrics_file is not None:
+        from oea.integrations.served import served_checks
+
+        checks = served_checks(metrics_file, min_batch)
+        report["served"] = {"ok": all(c["ok"] for c in checks), "path": metrics_file, "checks": checks}
+        report["ok"] = ok = ok and report["served"]["ok"]
+    return report, 0 if ok else 1
 
 
 def format_text(report: dict[str, Any]) -> str:
@@ -128,10 +138,16 @@ def format_text(report: dict[str, Any]) -> str:
     if environment is not None:
         lines.append(f"environment (OEA_* variables): {'OK' if environment['ok'] else 'FAILED'}")
         lines += _check_lines(environment["checks"])
+    served = report.get("served")
+    if served is not None:
+        lines.append(f"served (--metrics-file {served['path']}): {'OK' if served['ok'] else 'FAILED'}")
+        lines += _check_lines(served["checks"])
     failed = [(e["name"], next(c for c in e["checks"] if not c["ok"]))
               for e in report["engines"] if e["installed"] and not e["ok"]]
     if environment is not None:
         failed += [("environment", c) for c in environment["checks"] if not c["ok"]]
+    if served is not None:
+        failed += [("served", c) for c in served["checks"] if not c["ok"]]
     if failed:
         lines.append("")
         lines += [f"oea doctor: {where}: {first['name']}: {first['detail']}" for where, first in failed]

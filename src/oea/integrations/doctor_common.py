@@ -1,5 +1,6 @@
 """The doctor's shared pieces, used by every engine's ``doctor.py``: the check record, running a check,
-installed versions, the entry-point checks and the routing comparison of the self-tests.
+installed versions and the entry-point checks (the self-tests compare routings with
+``oea.routing.same_routing``).
 
 A check is ``{"name": str, "ok": bool, "detail": str}``; ``oea.integrations.doctor`` collects them per
 engine and prints the report.
@@ -11,8 +12,6 @@ import importlib.metadata as metadata
 import re
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 Check = dict[str, Any]
 
@@ -71,17 +70,3 @@ def entry_point_checks(group: str, value: str, expected: object, engine: str,
         return [*checks, check(loads_name, False, f"entry point loads {loaded!r}, not {value}")]
     return [*checks, check(loads_name, True, f"{value} imported")]
 
-
-def same_routing(ids_a: torch.Tensor, weights_a: torch.Tensor, ids_b: torch.Tensor, weights_b: torch.Tensor,
-                 atol: float = 1e-6, rtol: float = 1e-5) -> bool:
-    """Whether two routings ``[M, k]`` give every row the same experts with the same weights.
-
-    Slot order does not matter, nor which expert a zero-weight filler slot names.
-    """
-    def canon(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = ids.long().masked_fill(weights == 0, torch.iinfo(torch.int64).max)
-        order = ids.argsort(dim=1, stable=True)
-        return ids.gather(1, order), weights.float().gather(1, order)
-
-    (ia, wa), (ib, wb) = canon(ids_a, weights_a), canon(ids_b, weights_b)
-    return ia.shape == ib.shape and torch.equal(ia, ib) and torch.allclose(wa, wb, rtol=rtol, atol=atol)

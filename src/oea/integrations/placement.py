@@ -14,6 +14,7 @@ Engine-free: the adapters read the engine's tensors and call these functions.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,7 @@ class EPLayerConfigs:
     """
 
     read: Callable[[Any], tuple[ExpertPlacement | None, str]]
+    log: logging.Logger | None = None  # where ``refresh`` says what changed
     configs: dict[Any, EPOEAConfig] = field(default_factory=dict)
     details: dict[Any, str] = field(default_factory=dict)
 
@@ -130,4 +132,11 @@ class EPLayerConfigs:
             if not torch.equal(new, current.device_of_expert):
                 current.device_of_expert.copy_(new)
                 changed.append(str(key))
+        if changed and self.log is not None:
+            self.log.info("oea: EPLB rebalanced; EP-aware OEA placements updated: %s", ", ".join(changed))
         return changed
+
+    def refresh_if_built(self) -> None:
+        """``refresh`` when some layer has an EP-aware config (what runs after the engine's rebalance)."""
+        if self.configs:
+            self.refresh()

@@ -169,6 +169,7 @@ class TraceRecorder:
         self._request_numbers: dict[Any, int] = {}
         self._lock = threading.Lock()
         self.steps = self.dropped = 0
+        self.queue_peak = 0  # most steps ever waiting for the writer (at most ``queue_steps``)
         self.writer_cpu_s = 0.0  # CPU time of the writer thread so far (the recording's cost off the engine)
         self.stopped: str | None = None  # why recording stopped (no step is sampled after it is set)
         self._halted = False  # the writer stopped early (size cap, write error): queued steps are not written
@@ -228,6 +229,7 @@ class TraceRecorder:
         if waiting < self.queue_steps:
             logits, ready = self.staging.collect(rows)
             self._queue.put_nowait(_Step(step_id, logits, list(requests), list(positions), ready))
+            self.queue_peak = max(self.queue_peak, waiting + 1)
         else:
             self.dropped += 1
             self._warn_once("full", "oea: the trace writer falls behind the engine; steps are dropped (counted in "
@@ -242,7 +244,14 @@ class TraceRecorder:
             self._queue.put(None)
             self._wake.set()
             self._thread.join(CLOSE_TIMEOUT_S)
-        return self._finish()
+        if self._finishing:
+            return self.finished
+        path, kept = self._finish()
+        if path is None:
+            self.log.warning("oea: recording to %s: %s", self._path, kept)
+        else:
+            self.log.info("oea: recording to %s finished: %s", self._path, kept)
+        return path
 
     # ----------------------------------------------------------------- the writer thread
 
@@ -281,7 +290,7 @@ class TraceRecorder:
                     # a long run's sidecar (every request's name) grows: checkpoint at most 1% of the time
                     checkpoint_every = max(CHECKPOINT_S, 100 * (last_checkpoint - started))
             except Exception as err:  # a full disk, a vanished folder: stop, keep what is written, serve on
-                self._stop(f"writing failed ({type(err).__name__}: {err})")
+                self._stop(f"writing failed ({type(err).__name__}: {err})", write_error=True)
 
     def _drain(self) -> list[_Step | None]:
         """Every step queued now (a ``None`` among them ends the writer after the steps before it)."""
@@ -297,8 +306,9 @@ class TraceRecorder:
             writer = self._writer
             if self._finishing or writer is None or writer.tokens == writer.checkpointed:
                 return
-            writer.checkpoint(self._sidecar_meta("interrupted: the process ended before finishing the file; the "
-                                                 "trace holds the steps up to its last checkpoint"), self.spec)
+            writer.checkpoint(self._sidecar_meta("interrupted: the process ended (or its disk filled up) before "
+                                                 "finishing the file; the trace holds the steps up to its last "
+                                                 "checkpoint"), self.spec)
 
     def _write(self, steps: list[_Step]) -> None:
         """Append the rows of ``steps`` (in order) to the file with one write per column; the steps past the
@@ -350,39 +360,43 @@ class TraceRecorder:
         id_dtype = torch.uint8 if self.spec.num_experts <= 256 else torch.int16
         return {"ids": torch.stack(ids, 1).to(id_dtype).contiguous(), "scores": torch.stack(scores, 1).contiguous()}
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, write_error: bool = False) -> None:
+        """Stop recording early (the size cap, a write error) and finish the file, with one warning saying
+        why and what the file keeps. After a write error the file is finished in place (no space needed)."""
         with self._lock:
             if self._halted:
                 return
             self._halted, self.stopped = True, why
-        self.log.warning("oea: recording to %s stops: %s; serving continues", self._path, why)
-        self._finish()
+        _, kept = self._finish(in_place=write_error)
+        self.log.warning("oea: recording to %s stops: %s; %s; serving continues", self._path, why, kept)
 
-    def _finish(self) -> pathlib.Path | None:
+    def _finish(self, in_place: bool = False) -> tuple[pathlib.Path | None, str]:
+        """Finish the file once: (the trace or None, what became of it). ``in_place``: after a write error, the
+        file as it stands (``TraceFileWriter.finish_in_place``), else compacted (``finish``)."""
         with self._lock:
             writer = self._writer
             if self._finishing:
-                return self.finished
+                return self.finished, "the trace was already finished"
             self._finishing = True
             if writer is None or writer.tokens == 0:
                 if writer is not None:
                     writer.discard()
-                self.log.warning("oea: no decode step was recorded; no trace written to %s", self._path)
-                return None
+                return None, "no decode step was recorded, no trace written"
+            meta = self._sidecar_meta(self.stopped or "the engine stopped")
             try:
-                self.finished = writer.finish(self._sidecar_meta(self.stopped or "the engine stopped"), self.spec)
-            except Exception as err:  # e.g. the disk is full: free it rather than leave a broken file
+                self.finished = (writer.finish_in_place if in_place else writer.finish)(meta, self.spec)
+            except Exception as err:  # e.g. the disk is full: never leave a file that describes half a write
+                if in_place and writer.checkpointed and writer.sidecar.exists():
+                    return None, (f"the trace could not be finished ({type(err).__name__}: {err}): it holds the "
+                                  f"{writer.checkpointed} tokens of its last checkpoint")
                 writer.discard()
-                self.log.warning("oea: the trace %s could not be finished (%s: %s); it was removed", self._path,
-                                 type(err).__name__, err)
-                return None
-        self.log.info("oea: trace of %d decode steps (%d tokens) written to %s", self.steps, writer.tokens,
-                      self.finished)
-        return self.finished
+                return None, f"the trace could not be finished ({type(err).__name__}: {err}) and was removed"
+        return self.finished, f"the trace keeps the {self.steps} decode steps ({writer.tokens} tokens) written"
 
     def _sidecar_meta(self, stopped: str) -> dict[str, Any]:
         return {**self.meta, "steps_recorded": self.steps, "steps_dropped": self.dropped, "stopped": stopped,
                 "writer_cpu_s": round(self.writer_cpu_s, 4),
+                "queue_bound_steps": self.queue_steps, "queue_peak_steps": self.queue_peak,
                 "sample": self.settings.sample, "request_names": [str(r) for r in self._request_numbers],
                 "recorded": self._recorded()}
 

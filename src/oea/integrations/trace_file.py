@@ -17,9 +17,8 @@ bytes that the loader skips), then the sidecar. An engine that kills its workers
 default stops them with SIGKILL) leaves the trace of its last checkpoint; a file killed before its first
 checkpoint has no sidecar, and ``oea`` refuses to load it instead of reading half-written rows.
 
-This module knows the format's names (``FORMAT_NAME``, ``FORMAT_VERSION``, the sidecar fields) without
-importing ``oea.traces`` (a tool, which adapters may not import); a unit test holds the two equal, and
-every finished file is loaded and validated by ``oea.traces`` in the tests.
+The format's names (the sidecar's keys, the padding prefix) come from ``oea.trace_schema``, which
+``oea.traces`` reads by too; every finished file is loaded and validated by ``oea.traces`` in the tests.
 """
 
 from __future__ import annotations
@@ -34,12 +33,9 @@ from typing import Any
 import torch
 
 from oea.routing import RouterSpec
+from oea.trace_schema import PAD_PREFIX, sidecar, sidecar_path
 
-FORMAT_NAME = "oea-trace"
-FORMAT_VERSION = 1
-SPEC_FIELDS = ("num_experts", "top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor")
 HEADER_BYTES = 4096  # 8-byte length + JSON header padded with spaces; tensor data starts here
-PAD_PREFIX = "_pad"  # checkpoint padding tensors between the growing regions (oea.traces skips them)
 COPY_CHUNK = 8 * 2**20
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
            torch.uint8: "U8", torch.int16: "I16"}
@@ -88,13 +84,15 @@ class TraceFileWriter:
         self._fixed_at = HEADER_BYTES + token_bytes * self.capacity  # the fixed tensors, at the end
         self.tokens = 0
         self.checkpointed = 0  # tokens the file's header and sidecar describe
-        self.sidecar = self.path.with_suffix(".json")
+        self.sidecar = sidecar_path(self.path)
         self.sidecar.unlink(missing_ok=True)
-        self._file = open(self.path, "w+b")  # noqa: SIM115 - held open while recording, closed by finish
-        self._file.write(b"\0" * HEADER_BYTES)
-        self._file.seek(self._fixed_at)
+        # unbuffered: a failed write (a full disk) leaves nothing queued in Python that a later write would retry
+        self._file = open(self.path, "w+b", buffering=0)  # noqa: SIM115 - held open while recording
+        self._write_at(0, b"\0" * HEADER_BYTES)
+        offset = self._fixed_at
         for tensor in self.fixed.values():
-            self._file.write(_bytes(tensor))
+            self._write_at(offset, _bytes(tensor))
+            offset += tensor.numel() * tensor.element_size()
         self._file.truncate(self._fixed_at + fixed_bytes)  # its final length while it grows (sparse)
 
     def fits(self, tokens: int) -> bool:
@@ -116,16 +114,35 @@ class TraceFileWriter:
             if count is not None and data.shape[0] != count:
                 raise ValueError(f"{column.name}: {data.shape[0]} rows, other columns {count}")
             count = int(data.shape[0])
-            self._file.seek(region + self.tokens * column.row_bytes)
-            self._file.write(_bytes(data))
+            self._write_at(region + self.tokens * column.row_bytes, _bytes(data))
         self.tokens += count or 0
 
     def checkpoint(self, meta: dict[str, Any], spec: RouterSpec) -> None:
-        """Make the file as it stands a loadable trace of the tokens written so far, in place: the rows go
-        to the OS, a header names each column's rows and pads the gaps (``_pad<i>``), then the sidecar is
-        replaced. Rows appended later are not described until the next checkpoint or ``finish``."""
-        f, t = self._file, self.tokens
-        f.flush()
+        """Make the file as it stands a loadable trace of the tokens written so far, in place: a header names
+        each column's rows and pads the gaps (``_pad<i>``), then the sidecar is replaced. Rows appended later
+        are not described until the next checkpoint or ``finish``."""
+        header = self._checkpoint_header(self.tokens)
+        self._write_header(header)
+        self._write_sidecar(meta, spec, self.tokens, [n for n in header if not n.startswith(PAD_PREFIX)])
+        self.checkpointed = self.tokens
+
+    def finish_in_place(self, meta: dict[str, Any], spec: RouterSpec) -> pathlib.Path:
+        """Finish after a write error (a full disk, a removed folder): the file as it stands becomes the trace
+        of its whole tokens, as a checkpoint does, so nothing is moved and no space is needed but the
+        sidecar's. When even the sidecar cannot be written, the header goes back to the last checkpoint's
+        tokens (which its sidecar still describes) and the ``OSError`` is raised."""
+        try:
+            self.checkpoint(meta, spec)
+        except OSError:
+            if self.checkpointed:
+                self._write_header(self._checkpoint_header(self.checkpointed))
+            raise
+        finally:
+            self._file.close()
+        return self.path
+
+    def _checkpoint_header(self, t: int) -> dict[str, Any]:
+        """The header of a checkpoint of the first ``t`` tokens: each column's rows, padding between them."""
         header: dict[str, Any] = {}
         ends = [*self.regions[1:], self._fixed_at]
         for i, (column, region, end) in enumerate(zip(self.columns, self.regions, ends, strict=True)):
@@ -141,10 +158,7 @@ class TraceFileWriter:
             header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
                             "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
             offset += size
-        self._write_header(header)
-        f.flush()
-        self._write_sidecar(meta, spec, t, [n for n in header if not n.startswith(PAD_PREFIX)])
-        self.checkpointed = t
+        return header
 
     def finish(self, meta: dict[str, Any], spec: RouterSpec) -> pathlib.Path:
         """Compact the regions, write the header and the sidecar (``meta`` plus the format's own fields)."""
@@ -155,14 +169,13 @@ class TraceFileWriter:
         for column, region in zip(self.columns, self.regions, strict=True):
             size = t * column.row_bytes
             if region != offset:
-                _move(f, region, offset, size)
+                self._move(region, offset, size)
             header[column.name] = {"dtype": _DTYPES[column.dtype], "shape": [t, *column.row_shape],
                                    "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
             offset += size
         for name, tensor in self.fixed.items():
             size = tensor.numel() * tensor.element_size()
-            f.seek(offset)
-            f.write(_bytes(tensor))
+            self._write_at(offset, _bytes(tensor))
             header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
                             "data_offsets": [offset - HEADER_BYTES, offset + size - HEADER_BYTES]}
             offset += size
@@ -176,17 +189,35 @@ class TraceFileWriter:
         text = json.dumps(header, separators=(",", ":")).encode()
         if len(text) > HEADER_BYTES - 8:
             raise ValueError(f"trace header of {len(text)} bytes does not fit the {HEADER_BYTES - 8} reserved")
-        self._file.seek(0)
-        self._file.write(struct.pack("<Q", HEADER_BYTES - 8) + text + b" " * (HEADER_BYTES - 8 - len(text)))
+        self._write_at(0, struct.pack("<Q", HEADER_BYTES - 8) + text + b" " * (HEADER_BYTES - 8 - len(text)))
+
+    def _write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write all of ``data`` at ``offset`` (``os.pwrite`` until done; an ``OSError`` such as a full disk
+        propagates)."""
+        view, fd = memoryview(data).cast("B"), self._file.fileno()
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def _move(self, source: int, target: int, size: int) -> None:
+        """Copy ``size`` bytes from ``source`` to a lower ``target`` in the file, front to back (safe for
+        overlapping ranges because each chunk is read before anything at or after it is written)."""
+        done, fd = 0, self._file.fileno()
+        while done < size:
+            chunk = os.pread(fd, min(COPY_CHUNK, size - done), source + done)
+            self._write_at(target + done, chunk)
+            done += len(chunk)
 
     def _write_sidecar(self, meta: dict[str, Any], spec: RouterSpec, tokens: int, tensors: list[str]) -> None:
         """The sidecar, replaced in one rename (a reader never sees half of it)."""
-        sidecar = {**meta, "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_tokens": tokens,
-                   "num_layers": _num_layers(self.columns), "spec": {n: getattr(spec, n) for n in SPEC_FIELDS},
-                   "tensors": sorted(tensors)}
+        fields = sidecar(meta, spec, tokens, _num_layers(self.columns), tensors)
         partial = self.sidecar.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-        os.replace(partial, self.sidecar)
+        try:
+            partial.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+            os.replace(partial, self.sidecar)
+        except OSError:
+            partial.unlink(missing_ok=True)  # never leave half a sidecar behind (a full disk)
+            raise
 
     def discard(self) -> None:
         """Close and remove the unfinished file (frees a full disk when finishing failed)."""
@@ -208,14 +239,3 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a CPU tensor (bfloat16 included), without a copy."""
     return memoryview(tensor.contiguous().view(torch.uint8).numpy())
 
-
-def _move(f: Any, source: int, target: int, size: int) -> None:
-    """Copy ``size`` bytes from ``source`` to a lower ``target`` in the same file, front to back (safe
-    for overlapping ranges because each chunk is read before anything at or after it is written)."""
-    done = 0
-    while done < size:
-        f.seek(source + done)
-        chunk = f.read(min(COPY_CHUNK, size - done))
-        f.seek(target + done)
-        f.write(chunk)
-        done += len(chunk)

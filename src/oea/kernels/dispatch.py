@@ -185,4 +185,5 @@ def route_fast(router_logits: torch.Tensor, spec: RouterSpec, cfg: object | None
         return prepared(router_logits, valid)
     if chosen == "numba":
         return NumbaRouter(params, spec.correction_bias, spec.num_experts)(router_logits, valid)
-    return triton_route(router_logits, params, spec.correction_bias, valid)
+    routed = triton_route(router_logits, params, spec.correction_bias, valid)
+    return route(router_logits, spec, cfg, valid) if routed is None else routed  # None: cannot compile here

@@ -80,16 +80,30 @@ def take_best(key, cols, BN: tl.constexpr):
     return at, best, tl.where(cols[None, :] == at[:, None], KEY_MIN, key)
 
 
+@triton.jit
+def tile_of(M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's tile: (its index, its BM row numbers, the BN column numbers, rows < M, columns < N)."""
+    tile = tl.program_id(0)
+    rows = tile * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    return tile, rows, cols, rows < M, cols < N
+
+
+@triton.jit
+def valid_rows(valid_ptr, rows, row_ok, HAS_VALID: tl.constexpr):
+    """[BM] the real rows of the tile: inside the batch and, with a ``valid`` mask, marked in it."""
+    valid = row_ok
+    if HAS_VALID:
+        valid = valid & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+    return valid
+
+
 @triton.jit(do_not_specialize=RUNTIME)
 def phase1(x_ptr, bias_ptr, valid_ptr, vanilla_ptr, union_ptr, count_ptr, M, k0, topk_group, cross, has_bias,
            N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
            SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, HAS_VALID: tl.constexpr):
     """Per tile: vanilla top-k ids (scratch), the valid rows' top-k0 as the tile's union row, its valid count."""
-    tile = tl.program_id(0)
-    rows = tile * BM + tl.arange(0, BM)
-    cols = tl.arange(0, BN)
-    row_ok = rows < M
-    col_ok = cols < N
+    tile, rows, cols, row_ok, col_ok = tile_of(M, N, BM, BN)
     sel, fil, src = scores(x_ptr, bias_ptr, rows, cols, row_ok, col_ok, topk_group, cross, has_bias, N, SIGMOID,
                            N_GROUP, GP)
     key = rank_key(sel, cols, col_ok, N)
@@ -101,9 +115,7 @@ def phase1(x_ptr, bias_ptr, valid_ptr, vanilla_ptr, union_ptr, count_ptr, M, k0,
         vanilla = tl.where(slots[None, :] == j, at[:, None], vanilla)
         is_base = is_base | ((cols[None, :] == at[:, None]) & (j < k0))
     tl.store(vanilla_ptr + rows[:, None] * KP + slots[None, :], vanilla, mask=row_ok[:, None])
-    valid = row_ok
-    if HAS_VALID:
-        valid = valid & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+    valid = valid_rows(valid_ptr, rows, row_ok, HAS_VALID)
     member = tl.max(tl.where(valid[:, None] & is_base, 1, 0), axis=0).to(tl.int8)
     tl.store(union_ptr + tile * BN + cols, member)
     tl.store(count_ptr + tile, tl.sum(valid.to(tl.int32), axis=0))
@@ -115,20 +127,14 @@ def phase2(x_ptr, bias_ptr, valid_ptr, vanilla_ptr, union_ptr, count_ptr, ids_pt
            N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
            SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, HAS_VALID: tl.constexpr):
     """Per tile: the union and valid count of every tile, each row's fill, ids and weights."""
-    tile = tl.program_id(0)
-    rows = tile * BM + tl.arange(0, BM)
-    cols = tl.arange(0, BN)
-    row_ok = rows < M
-    col_ok = cols < N
+    tile, rows, cols, row_ok, col_ok = tile_of(M, N, BM, BN)
     slots = tl.arange(0, KP)
     n_valid = tl.full((), 0, tl.int32)  # a typed loop-carried scalar
     union = tl.zeros((BN,), tl.int8)
     for t in range(tiles):
         n_valid += tl.load(count_ptr + t)
         union = tl.maximum(union, tl.load(union_ptr + t * BN + cols))
-    valid = row_ok
-    if HAS_VALID:
-        valid = valid & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+    valid = valid_rows(valid_ptr, rows, row_ok, HAS_VALID)
     rerouted = valid & (n_valid >= min_batch) & (k0 > 0)
     sel, fil, src = scores(x_ptr, bias_ptr, rows, cols, row_ok, col_ok, topk_group, cross, has_bias, N, SIGMOID,
                            N_GROUP, GP)

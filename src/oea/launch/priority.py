@@ -16,6 +16,15 @@ from pathlib import Path
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
+def has_autogroup() -> bool:
+    """Whether this kernel schedules by autogroup: the file exists *and* says something (some containers
+    show it empty, and a write there then has no effect)."""
+    try:
+        return bool(AUTOGROUP.read_text().split())
+    except OSError:
+        return False
+
+
 def set_priority(nice: int, flag: str = "--nice") -> None:
     """Give this process (and its session's autogroup, where the kernel has one) priority ``nice`` (-20..19).
 
@@ -25,7 +34,7 @@ def set_priority(nice: int, flag: str = "--nice") -> None:
         raise ValueError(f"{flag} must be in -20..19, got {nice}")
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
-        if AUTOGROUP.exists():
+        if has_autogroup():
             AUTOGROUP.write_text(str(nice))
     except PermissionError:
         raise ValueError(f"{flag} {nice}: not permitted (below 0 needs root or CAP_SYS_NICE)") from None

@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from oea.console import progress_bar, seed_value
+
 
 def _inflate(args: argparse.Namespace) -> int:
     from oea.models.inflate import write_inflated
 
     if (args.like is None) == (args.moe_intermediate_size is None):
         raise ValueError("give exactly one of --like PRESET and --moe-intermediate-size N")
-    summary = write_inflated(args.out, args.model, like=args.like, moe_intermediate_size=args.moe_intermediate_size,
-                             seed=args.seed)
+    with progress_bar(f"oea inflate: writing {args.out}", not args.json) as update:
+        summary = write_inflated(args.out, args.model, like=args.like,
+                                 moe_intermediate_size=args.moe_intermediate_size, seed=args.seed, progress=update)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -24,7 +27,7 @@ def _inflate(args: argparse.Namespace) -> int:
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    from oea.sim.presets import model_preset_names
+    from oea.presets import model_preset_names
 
     p = commands.add_parser(
         "inflate",
@@ -41,6 +44,6 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--moe-intermediate-size", type=int, metavar="N", help="explicit expert intermediate size")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--model", metavar="DIR", help="base checkpoint (default: the embedded model)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the padding gate/up rows")
+    p.add_argument("--seed", type=seed_value, default=0, help="seed of the padding gate/up rows")
     p.add_argument("--json", action="store_true", help="print the inflation summary as JSON")
     p.set_defaults(handler=_inflate)

@@ -47,6 +47,17 @@ def check_checkpoint_keys(model_file: pathlib.Path) -> int:
     return sum(1 for k in keys if PER_EXPERT_KEY.fullmatch(k))
 
 
+def untie_output_head(model: Any) -> None:
+    """Give ``model`` its own ``lm_head.weight`` (a copy of the embeddings it was trained tied to) and
+    ``tie_word_embeddings = False``, in place: the logits stay bit-identical.
+
+    Why: an engine that never ties this architecture loads no output head from a tied checkpoint (SGLang's
+    qwen3_moe, sgl-project/sglang#19908: uniform logits); a stored head serves the same tokens everywhere.
+    """
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+
+
 @torch.no_grad()
 def windows_cross_entropy(model: Any, stream: np.ndarray, windows: int = CE_WINDOWS) -> float:
     """Mean next-token CE (nats) over ``windows`` fixed random windows of ``CE_LENGTH`` tokens."""
@@ -69,6 +80,7 @@ def export_embedded(cache_dir: pathlib.Path, out_dir: pathlib.Path, *, threads: 
     torch.set_num_threads(threads)
     cache_dir, out_dir = pathlib.Path(cache_dir), pathlib.Path(out_dir)
     model, tokenizer, state, train_args = _load_checkpoint(cache_dir)
+    untie_output_head(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False  # inference default; stats ask for router logits explicitly
     model.config.use_cache = True
@@ -86,7 +98,9 @@ def export_embedded(cache_dir: pathlib.Path, out_dir: pathlib.Path, *, threads: 
     # live model to bf16 would also cast its RoPE buffers, which from_pretrained keeps in float32).
     rounded = type(model)._from_config(model.config, dtype=torch.float32, experts_implementation="grouped_mm")
     rounded.eval()
-    rounded.load_state_dict({name: value.bfloat16().float() for name, value in state["model"].items()})
+    weights = {name: value.bfloat16().float() for name, value in state["model"].items()}
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # untied, as saved
+    rounded.load_state_dict(weights)
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     probe = torch.arange(1, 33).view(2, 16)
     with torch.no_grad():
@@ -159,6 +173,7 @@ def model_card(m: dict[str, Any], config: Any) -> str:
     uniform_note = f"uniform routing {uniform:.1f}; target <= 0.85 x uniform = {0.85 * uniform:.1f}"
     top10_note = "uniform 10%; real Qwen3-30B-A3B trace about 28% pooled"
     oea_note = f"uniform top-{r['oea_k0']} union {r['uniform_oea_active_experts']:.1f}"
+    trained = m["parameters"] - config.vocab_size * config.hidden_size  # the stored head copies the embeddings
     return f"""# oea embedded model: a tiny Qwen3-MoE trained on the Python standard library
 
 A stock `Qwen3MoeForCausalLM` (transformers) with Qwen3-30B-A3B's routing: {config.num_experts} experts,
@@ -169,9 +184,11 @@ non-uniform router, on any machine with Python, with no downloads. It is not a u
 ## Architecture
 vocab {config.vocab_size} (byte-level BPE), hidden {config.hidden_size}, {config.num_hidden_layers} layers,
 {config.num_attention_heads} attention heads / {config.num_key_value_heads} KV heads, head_dim {config.head_dim},
-`moe_intermediate_size` {config.moe_intermediate_size}, tied embeddings; {m['parameters'] / 1e6:.2f} M
-parameters, stored in bf16 ({m['shipped_bytes'] / 1e6:.1f} MB for the whole directory). Expert weights are
-saved with per-expert keys (`model.layers.N.mlp.experts.E.{{gate,up,down}}_proj.weight`,
+`moe_intermediate_size` {config.moe_intermediate_size}, trained with tied embeddings and shipped with the
+output head stored as its own copy (`lm_head.weight`, `tie_word_embeddings: false`: SGLang's qwen3_moe loads no
+head from a tied checkpoint); {m['parameters'] / 1e6:.2f} M parameters
+({trained / 1e6:.2f} M trained), stored in bf16 ({m['shipped_bytes'] / 1e6:.1f} MB for the whole directory).
+Expert weights are saved with per-expert keys (`model.layers.N.mlp.experts.E.{{gate,up,down}}_proj.weight`,
 {m['per_expert_keys']} tensors), the layout vLLM's Qwen3-MoE loader reads; transformers 5.24 reloads them
 bit-identically.
 

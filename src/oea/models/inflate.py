@@ -34,11 +34,13 @@ import json
 import pathlib
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from oea.console import check_output_folder
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -116,11 +118,11 @@ class InflationPlan:
 
 def intermediate_size_like(preset: str, hidden_size: int, bytes_per_weight: int) -> int:
     """The intermediate size at which an expert of ``hidden_size`` (stored with ``bytes_per_weight``)
-    has the per-expert bytes of model preset ``preset`` (``oea.sim.presets``): round(bytes / (3·H·b)).
+    has the per-expert bytes of model preset ``preset`` (``oea.presets``): round(bytes / (3·H·b)).
 
     Raises ``ValueError`` listing the preset names when ``preset`` is unknown.
     """
-    from oea.sim.presets import MODEL_PRESETS, model_preset_names
+    from oea.presets import MODEL_PRESETS, model_preset_names
 
     found = MODEL_PRESETS.get(preset)
     if found is None:
@@ -349,7 +351,8 @@ def _expert_triples(keys: list[str]) -> Iterator[tuple[int, str, str, str]]:
 
 def write_inflated(out_dir: str | pathlib.Path, model_dir: str | pathlib.Path | None = None, *,
                    like: str | None = None, moe_intermediate_size: int | None = None, seed: int = 0,
-                   free_disk: int | None = None, available_memory: int | None = None) -> dict[str, Any]:
+                   free_disk: int | None = None, available_memory: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Write the inflated checkpoint of ``model_dir`` (default: the embedded model) to ``out_dir``.
 
     Layout: one safetensors shard per MoE layer (its experts, per-expert keys) plus one for every other
@@ -357,8 +360,8 @@ def write_inflated(out_dir: str | pathlib.Path, model_dir: str | pathlib.Path | 
     the base directory's other files (tokenizer, generation config, held-out list, ...) and
     ``inflation.json`` (the plan). Disk space (the whole checkpoint) and memory (one shard, twice) are
     checked before ``out_dir`` is created; ``out_dir`` must not exist or be empty. ``free_disk`` /
-    ``available_memory`` override the measured values (tests). Returns the plan summary with ``out_dir``
-    and ``bytes_written``.
+    ``available_memory`` override the measured values (tests); ``progress(done, total)`` is called after each
+    shard is written. Returns the plan summary with ``out_dir`` and ``bytes_written``.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -368,9 +371,7 @@ def write_inflated(out_dir: str | pathlib.Path, model_dir: str | pathlib.Path | 
     base_dir = embedded_model_dir() if model_dir is None else pathlib.Path(model_dir)
     if not base_dir.is_dir():
         raise FileNotFoundError(f"model checkpoint not found: {base_dir} (expected a directory)")
-    out = pathlib.Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} already exists and is not an empty directory")
+    out = check_output_folder(out_dir, "--out", empty=True)  # before the disk check: an unwritable place has no space
     config, where, layers, element = _scan(base_dir)
     plan = plan_inflation(config, len(layers), element, like=like, moe_intermediate_size=moe_intermediate_size,
                           seed=seed)
@@ -391,7 +392,7 @@ def write_inflated(out_dir: str | pathlib.Path, model_dir: str | pathlib.Path | 
                 handles[path] = safe_open(path, "pt").__enter__()
             return handles[path].get_tensor(key)
 
-        for shard, layer in zip(shard_names, sorted(layers), strict=False):
+        for done, (shard, layer) in enumerate(zip(shard_names, sorted(layers), strict=False), start=1):
             generator = _layer_generator(seed, layer)
             tensors: dict[str, torch.Tensor] = {}
             for _expert, gate_key, up_key, down_key in _expert_triples(layers[layer]):
@@ -401,10 +402,14 @@ def write_inflated(out_dir: str | pathlib.Path, model_dir: str | pathlib.Path | 
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update(dict.fromkeys(tensors, shard))
             del tensors
+            if progress is not None:
+                progress(done, len(shard_names))
         rest = {key: tensor(key) for key in where if key not in expert_keys}
         save_file(rest, str(out / shard_names[-1]), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in rest.values())
         weight_map.update(dict.fromkeys(rest, shard_names[-1]))
+        if progress is not None:
+            progress(len(shard_names), len(shard_names))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)

@@ -1,6 +1,6 @@
 """Routing statistics of a Qwen3-style MoE model on mixed batches (one token from each of B documents).
 
-Used for the embedded model's card and the issue's routing targets: mean active experts per layer
+Used for the embedded model's card and its routing targets: mean active experts per layer
 (the top-k union over B tokens), its ratio to the uniform-routing expectation, the share of
 routing that goes to the busiest 10% of experts, never-used experts, and T under OEA.
 """

@@ -48,13 +48,11 @@ for _name, _section in DEFAULT_SECTIONS:
 
 
 def check_output_folder(out: pathlib.Path) -> None:
-    """``out`` must be a folder or not exist yet (``ValueError`` naming ``--out`` otherwise)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder; give a folder for report.md, results.json "
-                         f"and the plots")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+    """``out`` must be a folder that exists or can be created, and accept files (``ValueError`` naming
+    ``--out`` otherwise)."""
+    from oea.console import check_output_folder as check
+
+    check(out, "--out")
 
 
 def number_headings(markdown: str) -> str:

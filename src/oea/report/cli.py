@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from oea.console import int_at_least
+from oea.console import int_at_least, seed_value
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -19,7 +19,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="output folder for report.md, results.json and the plots (created; default: oea-report)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
     p.add_argument("--json", action="store_true", help="print the collected results as JSON")
-    p.add_argument("--seed", type=int, default=0, help="seeds batch formation, capture and evaluation order")
+    p.add_argument("--seed", type=seed_value, default=0, help="seeds batch formation, capture and evaluation order")
     p.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch.set_num_threads (1: the small ops here gain nothing from more)")
     p.set_defaults(handler=_report)

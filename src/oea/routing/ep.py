@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oea.routing.policies import expert_union, register_policy
+from oea.routing.policies import check_routing, expert_union, register_policy
 from oea.routing.ranking import KEY_MIN, top_indices
 from oea.routing.scores import RouterScores
 from oea.routing.spec import GroupFill, OEAConfig, RouterSpec
@@ -97,6 +97,7 @@ def max_device_active_experts(
     ids: torch.Tensor, weights: torch.Tensor, placement: ExpertPlacement, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The EP step's critical path: max over devices of distinct non-zero-weight experts; 0-dim int64."""
+    check_routing(ids, weights, valid)
     num_experts = placement.device_of_expert.numel()
     used = weights != 0
     if valid is not None:

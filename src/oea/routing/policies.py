@@ -21,7 +21,7 @@ import torch
 
 from oea.routing.ranking import KEY_MIN, top_indices
 from oea.routing.scores import RouterScores, mixture_weights, router_scores
-from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec
+from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec, require_tensor
 
 PolicyFn = Callable[
     [RouterScores, torch.Tensor, RouterSpec, Any, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]
@@ -134,7 +134,13 @@ def oea_policy(
 def check_route_args(
     router_logits: torch.Tensor, spec: RouterSpec, cfg: object | None, valid: torch.Tensor | None
 ) -> PolicyFn | None:
-    """``route``'s argument checks (``ValueError`` naming the argument); returns the policy (None: vanilla)."""
+    """``route``'s argument checks (``TypeError`` / ``ValueError`` naming the argument); returns the policy
+    (None: vanilla)."""
+    require_tensor("router_logits", router_logits, "[M, N]")
+    if not isinstance(spec, RouterSpec):
+        raise TypeError(f"spec must be an oea.RouterSpec, got {type(spec).__name__}")
+    if valid is not None:
+        require_tensor("valid", valid, "[M] bool (or None)")
     if router_logits.dim() != 2 or router_logits.shape[1] != spec.num_experts:
         raise ValueError(
             f"router_logits must have shape [M, num_experts={spec.num_experts}], "
@@ -203,10 +209,28 @@ def route(
     return ids, weights
 
 
+def check_routing(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None) -> None:
+    """``TypeError`` / ``ValueError`` naming the argument unless ``ids`` [M, k] integer, ``weights`` [M, k] and
+    ``valid`` [M] bool (or None) fit together: ``route``'s outputs, as every counting function takes them."""
+    require_tensor("ids", ids, "[M, k]")
+    require_tensor("weights", weights, "[M, k]")
+    if ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor of shape [M, k], got dtype={ids.dtype} "
+                         f"shape={tuple(ids.shape)}")
+    if tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"weights must have the shape of ids [M, k]={list(ids.shape)}, got {list(weights.shape)}")
+    if valid is not None:
+        require_tensor("valid", valid, "[M] bool (or None)")
+        if valid.dtype != torch.bool or tuple(valid.shape) != (ids.shape[0],):
+            raise ValueError(f"valid must be a bool tensor of shape [M]=[{ids.shape[0]}], got dtype={valid.dtype} "
+                             f"shape={tuple(valid.shape)}")
+
+
 def expert_load(
     ids: torch.Tensor, weights: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Tokens per expert: [M, k] ids and weights -> [N] int64, counting non-zero-weight slots of valid rows."""
+    check_routing(ids, weights, valid)
     used = weights != 0
     if valid is not None:
         used = used & valid[:, None]
@@ -221,6 +245,7 @@ def active_experts(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
     Graph-safe (sort-based, fixed shape, no host sync): call ``int()`` on the result outside any
     captured region.
     """
+    check_routing(ids, weights, valid)
     used = weights != 0
     if valid is not None:
         used = used & valid[:, None]

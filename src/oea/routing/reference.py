@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec
+from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec, require_tensor
 
 
 def _family_scores(logits: list[float], spec: RouterSpec) -> tuple[list[float], list[float], list[bool]]:
@@ -63,6 +63,9 @@ def reference_route(
         experts in the token's rank order) and their weights, *without* filler slots: a row
         may hold fewer than k experts.
     """
+    require_tensor("router_logits", router_logits, "[M, N]")
+    if valid is not None:
+        require_tensor("valid", valid, "[M] bool (or None)")
     m = router_logits.shape[0]
     rows = router_logits.double().tolist()
     is_valid = [True] * m if valid is None else [bool(v) for v in valid.tolist()]

@@ -4,9 +4,9 @@
   least, get a safer (larger) k0. The batch size is the router call's row count M, a static shape
   per captured CUDA graph or compiled graph, so the choice is made at trace time: graph-safe.
 * ``LayerK0Schedule``: one k0 per MoE layer, optionally per batch-size range (``batch_k0``), stored as
-  a small JSON file that ``oea.attach`` and the engine plugins load (``OEA_LAYER_K0_FILE``; read it
-  with ``oea.config.layer_k0_policies``). It records the router it was calibrated for, and loading it
-  for another model fails with the mismatch named.
+  a small JSON file that ``oea.attach`` and the engine plugins load (``OEA_LAYER_K0_FILE``, read by
+  ``oea.config.layer_configs``; ``oea.routing.LayerConfigs`` routes by it). It records the router it was
+  calibrated for, and loading it for another model fails with the mismatch named.
 """
 
 from __future__ import annotations
@@ -170,6 +170,16 @@ class LayerK0Schedule:
                 schedule.append((max_batch, k0[layer]))
         return AdaptiveK0Config(tuple(schedule), min_batch=min_batch, group_fill=group_fill, max_experts=max_experts)
 
+    def describe(self) -> str:
+        """One line: the model it was made for, its k0 per layer and its batch-size ranges."""
+        k0 = sorted(set(self.k0))
+        detail = (f"{self.num_layers} MoE layers, {self.num_experts} experts, top_k {self.top_k}, "
+                  + (f"k0 {k0[0]}..{k0[-1]} per layer" if len(k0) > 1 else f"k0 {k0[0]} in every layer"))
+        if self.batch_k0 is not None:
+            bounds = ", ".join(str(b) for b, _ in self.batch_k0)
+            detail += f", batch_k0: k0 by batch size in {len(self.batch_k0)} ranges (max_batch {bounds})"
+        return detail + (f", model {self.model!r}" if self.model else "")
+
     def to_json(self) -> dict:
         """The JSON form (``format``/``version`` first; ``layer_ids`` and ``batch_k0`` only when set)."""
         data = {"format": LAYER_K0_FORMAT, "version": LAYER_K0_VERSION, **asdict(self)}
@@ -190,11 +200,22 @@ class LayerK0Schedule:
             raise ValueError(f"{where}: must be a JSON object, got {type(data).__name__}")
         if data.get("format", LAYER_K0_FORMAT) != LAYER_K0_FORMAT:
             raise ValueError(f"{where}: field 'format' must be {LAYER_K0_FORMAT!r}, got {data['format']!r}")
+        version = data.get("version", 1)
+        if version not in LAYER_K0_VERSIONS or isinstance(version, bool):
+            raise ValueError(f"{where}: field 'version' must be one of {list(LAYER_K0_VERSIONS)} (this oea reads "
+                             f"those), got {version!r}")
         required = {"num_experts", "top_k", "num_layers", "k0"}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"per-layer k0 file {where} lacks fields {missing}")
         known = {f for f in LayerK0Schedule.__dataclass_fields__}
+        # A field this oea does not know would be silently dropped (a typo such as 'min_bacth', or a newer
+        # file's setting): refused, naming the fields a file may hold.
+        unknown = sorted(set(data) - known - {"format", "version"})
+        if unknown:
+            allowed = ["format", "version", *LayerK0Schedule.__dataclass_fields__]
+            raise ValueError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                             f" (allowed: {', '.join(allowed)})")
         values = {key: value for key, value in data.items() if key in known}
         try:
             for name in ("k0", "layer_ids"):
@@ -211,6 +232,7 @@ class LayerK0Schedule:
 
 LAYER_K0_FORMAT = "oea-layer-k0"
 LAYER_K0_VERSION = 2  # version 1 files (no format/version/batch_k0 fields) load unchanged
+LAYER_K0_VERSIONS = (1, 2)  # the versions this oea reads (a file without 'version' is version 1)
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:

@@ -5,8 +5,10 @@ and mixture weights. A policy config (``OEAConfig``, ``PrunedConfig``, ...) desc
 batch is rerouted. ``route(logits, spec, cfg)`` combines the two; ``cfg=None`` is the model's own
 (vanilla) routing.
 
-Everything here is plain Python; nothing touches tensor values, so it is free to run at trace time
-inside ``torch.compile`` or CUDA-graph capture.
+Everything here is plain Python on Python values and tensor shapes, so it is free to run at trace time
+inside ``torch.compile`` or CUDA-graph capture. The one tensor value read is the correction bias's (it must
+be finite), and only where a read is allowed: not while ``torch.compile`` traces, during CUDA-graph capture
+or on the meta device. ``oea.kernels`` checks a bias that skipped this check again before its first call.
 """
 
 from __future__ import annotations
@@ -28,6 +30,35 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def require_tensor(name: str, value: object, shape: str) -> None:
+    """``TypeError`` naming the argument unless ``value`` is a ``torch.Tensor`` (numpy arrays and lists are
+    not converted: the routing functions keep the caller's device and dtype, which only a tensor has)."""
+    if not isinstance(value, torch.Tensor):
+        kind = type(value)
+        raise TypeError(f"{name} must be a torch.Tensor {shape}, got {kind.__module__}.{kind.__qualname__}; "
+                        f"convert it first, e.g. torch.as_tensor(x) or torch.from_numpy(array)")
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values may be read on the host here (not traced, captured or meta)."""
+    if torch.compiler.is_compiling() or tensor.device.type == "meta":
+        return False
+    return not (tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _check_finite_bias(bias: torch.Tensor) -> None:
+    """A NaN or infinite correction bias makes every biased score non-finite: refuse it, naming the experts."""
+    if not _readable(bias):
+        return
+    bad = ~torch.isfinite(bias)
+    if bool(bad.any()):
+        experts = torch.nonzero(bad).flatten().tolist()
+        shown = ", ".join(map(str, experts[:8])) + (", ..." if len(experts) > 8 else "")
+        values = sorted({str(v) for v in bias[bad].tolist()})
+        raise ValueError(f"correction_bias must hold finite values (it is added to the sigmoid scores to rank the "
+                         f"experts), got {'/'.join(values)} at {len(experts)} of {bias.numel()} experts ({shown})")
+
+
 def _require_int(name: str, value: object, minimum: int) -> None:
     _require(
         isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
@@ -45,7 +76,7 @@ class RouterSpec:
         scoring: ``"softmax"`` (Qwen3-MoE, OLMoE, Mixtral, GPT-OSS) or ``"sigmoid"``
             (DeepSeek-V3, GLM-4.5/4.6/4.7, GLM-5).
         renormalize: divide the chosen experts' weights by their sum (``norm_topk_prob``).
-        correction_bias: [N] tensor added to the sigmoid scores for *selection only*
+        correction_bias: [N] tensor of finite values added to the sigmoid scores for *selection only*
             (``e_score_correction_bias``); sigmoid scoring only.
         n_group / topk_group: group-limited routing: experts are split into ``n_group`` equal
             groups, a group's score is the sum of its top-2 biased scores, and each token keeps
@@ -90,6 +121,7 @@ class RouterSpec:
                 f"correction_bias must be a tensor of shape [num_experts]=[{self.num_experts}], "
                 f"got {getattr(self.correction_bias, 'shape', type(self.correction_bias).__name__)}",
             )
+            _check_finite_bias(self.correction_bias)
         if self.n_group is None:
             _require(
                 self.topk_group is None,
@@ -141,7 +173,7 @@ class OEAConfig:
         p: cumulative router-mass threshold of general OEA; a token's baseline is
             min(k0, smallest t whose top-t mass >= p). 1.0 = simplified OEA.
         max_rank: deepest rank of a token's own ranking that may be piggybacked (the paper's
-            maxP; default: N, i.e. the full ranking).
+            maxP; k0 <= max_rank <= N; default: N, i.e. the full ranking).
         min_batch: below this many valid rows the whole batch gets vanilla routing
             (the reference deployment's ``SGLANG_OEA_MIN_BATCH``).
         group_fill: grouped sigmoid families only: ``"in"`` piggybacks only from the token's
@@ -169,6 +201,11 @@ class OEAConfig:
         )
         if self.max_rank is not None:
             _require_int("max_rank", self.max_rank, 1)
+            _require(
+                self.max_rank >= self.k0,
+                f"max_rank must be >= k0 (a token always keeps its own top-k0 and piggybacks only experts it "
+                f"ranks within max_rank), got max_rank={self.max_rank} and k0={self.k0}",
+            )
         _require_int("min_batch", self.min_batch, 0)
         _require(
             self.group_fill in GROUP_FILLS,

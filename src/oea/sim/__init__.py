@@ -3,8 +3,7 @@
     rows = oea.sim.simulate("qwen3-30b-a3b", policies=["vanilla", "oea"], k0s=[3], batch_sizes=[16])
 """
 
-from oea.sim.costmodel import CostModel, uniform_active_experts
-from oea.sim.presets import (
+from oea.presets import (
     MODEL_PRESETS,
     GpuPreset,
     ModelPreset,
@@ -13,6 +12,7 @@ from oea.sim.presets import (
     gpu_preset_names,
     model_preset_names,
 )
+from oea.sim.costmodel import CostModel, uniform_active_experts
 from oea.sim.simulate import (
     LayerBatches,
     Metric,

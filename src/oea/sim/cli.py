@@ -1,12 +1,9 @@
-"""``oea simulate`` and ``oea roofline`` (parsers only; work happens in ``oea.sim``)."""
+"""``oea simulate`` (parsers only; work happens in ``oea.sim``); registers ``oea presets`` and ``oea roofline``."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import sys
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from oea.console import (
@@ -15,26 +12,12 @@ from oea.console import (
     float_between,
     format_interval,
     int_at_least,
+    progress_bar,
+    seed_value,
     wide_console,
 )
-from oea.sim import presets_cli
+from oea.sim import presets_cli, roofline_cli
 from oea.sim.preset_file import add_model_preset_file_argument
-
-
-@contextlib.contextmanager
-def _progress_bar(description: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """Yields a rich progress callback ``(done, total)`` on stderr, or ``None`` when disabled."""
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(TextColumn(description), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    task = progress.add_task(description, total=None)
-    with progress:
-        yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
 def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
@@ -76,7 +59,9 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def _simulate(args: argparse.Namespace) -> int:
     import torch
 
-    from oea.sim.preset_file import parallel_degrees, resolve_model_preset
+    from oea.presets import get_model_preset
+    from oea.sim.costmodel import check_parallel
+    from oea.sim.preset_file import parallel_degrees, parallel_names, resolve_model_preset
     from oea.sim.simulate import simulate
     from oea.traces import load_trace
 
@@ -86,9 +71,16 @@ def _simulate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     preset = resolve_model_preset(args.model_preset, args.model_preset_file)
     tp, ep = parallel_degrees(preset, args.tp, args.ep)
-    args.ep = ep
     trace = load_trace(args.trace)
-    with _progress_bar(f"simulating {trace.name}", not args.json and sys.stderr.isatty()) as update:
+    model = preset.model if preset is not None else trace.meta.get("model_preset")
+    if args.gpu is not None and model is not None:  # the latency model's degrees, checked before any work
+        check_parallel(get_model_preset(model) if isinstance(model, str) else model, tp, ep or 1,
+                       *parallel_names(preset, args.tp, args.ep))
+    if ep is not None and trace.spec.num_experts % ep:  # the busiest-device count's blocks
+        raise ValueError(f"{parallel_names(preset, args.tp, args.ep)[1]} must divide the trace's num_experts="
+                         f"{trace.spec.num_experts}, got {ep}")
+    args.ep = ep
+    with progress_bar(f"oea simulate: simulating {trace.name}", not args.json) as update:
         rows = simulate(
             trace, policies=args.policies, k0s=args.k0, batch_sizes=args.batch_sizes, mode=args.mode,
             seed=args.seed, num_batches=args.num_batches, model_preset=preset.model if preset else None,
@@ -147,17 +139,24 @@ def simulation_table(name: str, args: argparse.Namespace, rows: list[dict[str, A
 
 
 def simulation_notes(rows: list[dict[str, Any]], auto: bool) -> list[str]:
-    """The replay note, and the rows whose T interval is wider than asked (batch count capped)."""
+    """The replay note, the batch sizes whose every distinct lockstep batch is used, and the rows whose T
+    interval is wider than asked (batch count capped)."""
     if not rows:
         return ["no rows"]
     lines = [f"note: {rows[0]['note']}"]
-    capped = [r for r in rows if r.get("t_ci_target_met") is False]
+    exhausted = [r for r in rows if r.get("distinct_batches") == r["num_batches"]]
+    if exhausted:
+        counts = dict.fromkeys((r["batch_size"], r["num_batches"]) for r in exhausted)
+        sizes = ", ".join(f"B={b}: {n}" for b, n in counts)
+        lines.append(f"every distinct lockstep batch of the trace is used, each once ({sizes}); the intervals count "
+                     "these batches, and more batches would only repeat them")
+    capped = [r for r in rows if r.get("t_ci_target_met") is False and r not in exhausted]
     if capped:
         wide = ", ".join(f"{_label(r)} (±{100 * r['t_ci_relative_half_width']:.1f}%)" for r in capped)
         lines.append(f"T's interval is wider than ±{100 * capped[0]['t_ci_target']:g}% of the mean after "
                      f"{capped[0]['num_batches']} batches (--max-batches) for: {wide}")
-    elif not auto:
-        widest = max(rows, key=lambda r: r["t_ci_relative_half_width"])
+    elif not auto and len(exhausted) < len(rows):
+        widest = max((r for r in rows if r not in exhausted), key=lambda r: r["t_ci_relative_half_width"])
         lines.append(f"widest T interval: ±{100 * widest['t_ci_relative_half_width']:.1f}% of the mean "
                      f"({_label(widest)}); omit --num-batches for ±1%")
     return lines
@@ -186,69 +185,6 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['policy']}{k0} B={row['batch_size']}"
 
 
-def _roofline(args: argparse.Namespace) -> int:
-    import torch
-
-    from oea.sim.preset_file import parallel_degrees, resolve_model_preset
-    from oea.sim.roofline import roofline
-
-    check_unique(args.k0, "--k0")
-    check_unique(args.batch_sizes, "--batch-sizes")
-    torch.set_num_threads(args.threads)
-    default = None if args.model_preset_file else "qwen3-30b-a3b"
-    preset = resolve_model_preset(args.model or default, args.model_preset_file, name_flag="--model")
-    assert preset is not None
-    if args.k0 is None:
-        args.k0 = [k0 for k0 in (3, 5) if k0 <= preset.model.top_k] or [preset.model.top_k]
-    args.tp, ep = parallel_degrees(preset, args.tp, args.ep)
-    args.ep = ep or 1
-    trace = None if args.trace == "none" else args.trace
-    with _progress_bar("simulating trace T", not args.json and sys.stderr.isatty()) as update:
-        rows = roofline(
-            preset.model, args.gpu, tp=args.tp, ep=args.ep, batch_sizes=args.batch_sizes, k0s=args.k0,
-            trace=trace, num_batches=args.num_batches, seed=args.seed, progress=update,
-        )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    from rich.table import Table
-
-    first = rows[0]
-    console = wide_console()
-    console.print(
-        f"[bold]{first['model']}[/] on [bold]{first['gpu']}[/] tp={args.tp} ep={args.ep}: "
-        f"b = {first['expert_load_us']:.2f} µs per active expert (weight load), "
-        f"a = {first['token_compute_us']:.4f} µs per token slot (compute), "
-        f"ridge point {first['ridge_point_flops_per_byte']:.0f} FLOP/byte"
-    )
-    table = Table(title="MoE layer roofline per batch size (trace T: mean ± 95% interval over batches)")
-    columns = ["B", "T uniform", f"T vanilla ({first['trace'] or 'no trace'})", "FLOP/byte", "bound",
-               "vanilla µs"]
-    for k0 in args.k0:
-        columns += [f"T OEA k0={k0}", f"OEA k0={k0} µs", "gain"]
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in rows:
-        cells = [str(row["batch_size"]), _fmt(row["uniform_active_experts"]),
-                 format_interval(row["trace_vanilla_active_experts"], row["trace_vanilla_active_experts_ci"]),
-                 _fmt(row["arithmetic_intensity"]), row["bound"],
-                 format_interval(row["latency_vanilla_us"], row["latency_vanilla_us_ci"])]
-        for k0 in args.k0:
-            gain, gain_ci = row[f"predicted_gain_k0_{k0}"], row[f"predicted_gain_k0_{k0}_ci"]
-            cells += [format_interval(row[f"oea_k0_{k0}_active_experts"], row[f"oea_k0_{k0}_active_experts_ci"]),
-                      format_interval(row[f"latency_oea_k0_{k0}_us"], row[f"latency_oea_k0_{k0}_us_ci"]),
-                      "-" if gain is None else format_interval(100 * gain, None if gain_ci is None else
-                                                               [100 * g for g in gain_ci], 0) + "%"]
-        table.add_row(*cells)
-    console.print(table)
-    console.print(
-        "Memory-bound while FLOP/byte < ridge point: latency ≈ fixed + b·T, so OEA's gain follows the drop "
-        "in T. Trace T is scaled to the model by T_uniform(model)·T_trace/T_uniform(trace) when N or k "
-        "differ. Datasheet peaks make absolute times optimistic; the ratios are the robust output."
-    )
-    return 0
-
-
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     presets_cli.register(commands)
     p = commands.add_parser("simulate", help="replay a routing trace through policies (what-if T, latency)")
@@ -270,7 +206,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                         "not given")
     p.add_argument("--max-batches", type=int_at_least(32), default=1024,
                    help="most batches per batch size drawn for --precision")
-    p.add_argument("--seed", type=int, default=0, help="seeds batch formation (every policy sees the same batches)")
+    p.add_argument("--seed", type=seed_value, default=0,
+                   help="seeds batch formation (every policy sees the same batches)")
     p.add_argument("--model-preset", default=None,
                    help="built-in model preset for latency (`oea presets`; default: the trace's)")
     add_model_preset_file_argument(p)
@@ -289,20 +226,4 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(handler=_simulate)
 
-    r = commands.add_parser("roofline", help="memory- vs compute-bound analysis and OEA's theoretical gain")
-    r.add_argument("--model", default=None, help="built-in model preset (default: qwen3-30b-a3b; `oea presets`)")
-    add_model_preset_file_argument(r)
-    r.add_argument("--gpu", default="h100-sxm", help="accelerator preset (`oea presets`)")
-    r.add_argument("--tp", type=int_at_least(1), default=None, help="tensor-parallel degree (default 1)")
-    r.add_argument("--ep", type=int_at_least(1), default=None, help="expert-parallel degree (default 1)")
-    add_batch_sizes_argument(r, [1, 4, 16, 64, 256, 1024], "decode batch sizes B")
-    r.add_argument("--k0", type=int_at_least(1), nargs="+", default=None, metavar="K0",
-                   help="OEA k0 values, each in 1..top_k of the model (default: 3 5, those within top_k)")
-    r.add_argument("--trace", default="qwen3-30b-a3b",
-                   help="bundled trace or trace file for real T ('none' for uniform routing only)")
-    r.add_argument("--num-batches", type=int_at_least(2), default=16,
-                   help="simulated batches per batch size for the trace's T")
-    r.add_argument("--seed", type=int, default=0, help="seeds batch formation")
-    r.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
-    r.add_argument("--json", action="store_true", help="print the rows as JSON")
-    r.set_defaults(handler=_roofline)
+    roofline_cli.register(commands)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from oea.sim.presets import GpuPreset, ModelPreset
+from oea.presets import GpuPreset, ModelPreset
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,7 @@ class CostModel:
     activation_bytes: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.tp > 1 and self.ep > 1:
-            raise ValueError(
-                f"combine either tp or ep with the cost model, not both; got tp={self.tp} ep={self.ep}"
-            )
-        if self.model.num_experts % self.ep:
-            raise ValueError(f"ep must divide num_experts={self.model.num_experts}, got ep={self.ep}")
+        check_parallel(self.model, self.tp, self.ep)
         if not self.gpu.measured:
             raise ValueError(f"gpu preset {self.gpu.name!r} is unmeasured: {self.gpu.source}")
         if (self.tp > 1 or self.ep > 1) and self.gpu.interconnect_GBps is None:
@@ -142,6 +133,59 @@ class CostModel:
             slots = token_slots * (experts / active_experts) if active_experts > 0 else 0.0
         total = self.gpu.launch_overhead_us + self.memory_us(experts) + self.compute_us(slots)
         return total + self.allreduce_us(batch) + self.alltoall_us(token_slots)
+
+
+def tp_split_dimensions(model: ModelPreset) -> dict[str, int]:
+    """The widths tensor parallelism splits over its ranks (each must be a multiple of tp): the routed
+    experts' intermediate size, and where the preset describes the decoder, the attention heads and the
+    dense and shared MLPs' widths."""
+    dims = {"moe_intermediate_size": model.moe_intermediate_size}
+    decoder = model.decoder
+    if decoder is not None:
+        dims["num_attention_heads"] = decoder.num_heads
+        if decoder.num_dense_layers:
+            dims["dense_intermediate_size"] = decoder.dense_intermediate_size
+        if decoder.shared_intermediate_size:
+            dims["shared_intermediate_size"] = decoder.shared_intermediate_size
+    return dims
+
+
+def allowed_tp_sizes(model: ModelPreset) -> list[int]:
+    """Every tp that divides ``tp_split_dimensions`` (GQA: and divides the kv heads or is a multiple of them,
+    which engines then replicate)."""
+    common = math.gcd(*tp_split_dimensions(model).values())
+    sizes = [tp for tp in range(1, common + 1) if common % tp == 0]
+    decoder = model.decoder
+    if decoder is not None and decoder.attention == "gqa":
+        kv = decoder.num_kv_heads
+        sizes = [tp for tp in sizes if kv % tp == 0 or tp % kv == 0]
+    return sizes
+
+
+def check_tp(model: ModelPreset, tp: int, flag: str = "tp") -> None:
+    """Raises ``ValueError`` naming ``flag``, the dimensions and the allowed sizes when ``tp`` does not split
+    the model (``allowed_tp_sizes``)."""
+    allowed = allowed_tp_sizes(model)
+    if tp not in allowed:
+        dims = ", ".join(f"{name}={value}" for name, value in tp_split_dimensions(model).items())
+        shown = [size for size in allowed if size <= 64]
+        more = "" if len(shown) == len(allowed) else f" (or a larger one of the {len(allowed)} that divide them)"
+        raise ValueError(f"{flag} must split {model.name}'s {dims} evenly: one of {shown}{more}, got {tp}")
+
+
+def check_parallel(model: ModelPreset, tp: object, ep: object, tp_name: str = "tp", ep_name: str = "ep") -> None:
+    """``ValueError`` naming ``tp_name`` / ``ep_name`` (a field, or the command-line flag that set it) unless tp and
+    ep are integers >= 1, not both > 1, ep divides the model's experts and tp splits it (``check_tp``)."""
+    for name, value in ((tp_name, tp), (ep_name, ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    assert isinstance(tp, int) and isinstance(ep, int)
+    if tp > 1 and ep > 1:
+        raise ValueError(f"combine either {tp_name} or {ep_name} with the cost model, not both; got "
+                         f"{tp_name} {tp}, {ep_name} {ep}")
+    if model.num_experts % ep:
+        raise ValueError(f"{ep_name} must divide num_experts={model.num_experts} ({model.name}), got {ep}")
+    check_tp(model, tp, tp_name)
 
 
 def uniform_active_experts(num_experts: int, top_k: int, batch_size: int) -> float:

@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from oea.sim.presets import MODEL_PRESETS, MXFP4_BYTES, NVFP4_BYTES, ModelPreset, get_model_preset
+from oea.presets import MODEL_PRESETS, MXFP4_BYTES, NVFP4_BYTES, ModelPreset, get_model_preset
 
 WEIGHT_FORMATS: dict[str, float] = {
     "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "nvfp4": NVFP4_BYTES, "mxfp4": MXFP4_BYTES,
@@ -180,3 +180,14 @@ def parallel_degrees(preset: PresetFile | None, tp: int | None, ep: int | None) 
     resolved_tp = tp if tp is not None else (file_tp or 1)
     resolved_ep = ep if ep is not None else file_ep
     return resolved_tp, resolved_ep
+
+
+def parallel_names(preset: PresetFile | None, tp: int | None, ep: int | None) -> tuple[str, str]:
+    """What set tp and ep (``parallel_degrees``), for an error message: the flag, else the preset file's field."""
+
+    def name(flag: str, value: int | None, field: str) -> str:
+        if value is not None or preset is None or getattr(preset, field) is None:
+            return flag
+        return f"{field} of --model-preset-file {preset.path}"
+
+    return name("--tp", tp, "tp"), name("--ep", ep, "ep")

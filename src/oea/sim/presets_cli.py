@@ -25,8 +25,8 @@ def gpu_row(preset: Any) -> dict[str, Any]:
 
 
 def _presets(args: argparse.Namespace) -> int:
+    from oea.presets import MODEL_PRESETS, gpu_presets
     from oea.sim.preset_file import load_model_preset_file
-    from oea.sim.presets import MODEL_PRESETS, gpu_presets
 
     models = [model_row(preset) for preset in MODEL_PRESETS.values()]
     for row in models:

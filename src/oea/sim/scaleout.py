@@ -107,12 +107,13 @@ def union_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def step_batches(
     make_batches: Callable[..., torch.Tensor], trace: Any, batch_size: int, dp: int, mode: str, num_batches: int,
-    generator: torch.Generator,
+    generator: torch.Generator, exclude: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[nb, dp·B] token indices of ``nb`` steps of ``dp`` ranks with B rows each (``make_batches`` of dp·B rows)."""
+    """[nb, dp·B] token indices of ``nb`` steps of ``dp`` ranks with B rows each (``make_batches`` of dp·B rows;
+    ``exclude``: steps drawn before, which lockstep draws do not repeat)."""
     if dp == 1:
-        return make_batches(trace, batch_size, mode, num_batches, generator)
+        return make_batches(trace, batch_size, mode, num_batches, generator, exclude=exclude)
     try:
-        return make_batches(trace, batch_size * dp, mode, num_batches, generator)
+        return make_batches(trace, batch_size * dp, mode, num_batches, generator, exclude=exclude)
     except ValueError as err:
         raise ValueError(f"dp={dp} ranks of B={batch_size} rows need {dp * batch_size} rows per step: {err}") from None

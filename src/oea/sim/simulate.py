@@ -6,7 +6,8 @@ nb = number of simulated batches.
 For every (policy, k0, B) the simulator forms ``nb`` batches of B trace tokens (``mixed``: B tokens
 drawn uniformly without replacement from the whole pool; ``lockstep``: B different requests at the
 same decode position, or, in a trace recorded from an engine (``step_ids``), B requests of one engine
-step), routes each batch of each layer through ``oea.route`` and measures:
+step, never the same batch twice: ``oea.sim.batches``), routes each batch of each layer through ``oea.route``
+and measures:
 
 * active experts T per layer and batch (mean, p50, p95 over all layer × batch samples);
 * experts per token (non-zero-weight slots);
@@ -28,14 +29,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 import oea
+from oea.presets import ModelPreset
 from oea.routing import RouterSpec, make_policy, policy_names, router_scores
 from oea.routing.catalog import needs_k0
 from oea.routing.spec import PrunedConfig
-from oea.sim.presets import ModelPreset
+from oea.sim.batches import distinct_batches, make_batches
 from oea.sim.scaleout import UNIONS, per_rank_metric, route_step, step_batches
 from oea.sim.summary import (
     DEFAULT_PRECISION,
@@ -50,7 +51,6 @@ from oea.sim.summary import (
 from oea.traces import Trace, load_trace
 
 Mode = Literal["mixed", "lockstep"]
-MODES: tuple[str, ...] = ("mixed", "lockstep")
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 ID_ONLY_NOTE = (
     "{what} trace: logits synthesised from the recorded {how}; OEA piggybacks only within the "
@@ -153,64 +153,6 @@ def router_inputs(trace: Trace, layer: int) -> tuple[torch.Tensor, RouterSpec, t
     if trace.scores is not None:
         mass = torch.zeros(t, n).scatter(1, ids, trace.scores[:, layer].float())
     return logits, RouterSpec(n, k, scoring="softmax", renormalize=spec.renormalize), mass
-
-
-def make_batches(
-    trace: Trace, batch_size: int, mode: str, num_batches: int, generator: torch.Generator
-) -> torch.Tensor:
-    """Token indices of ``num_batches`` batches: [nb, B] int64.
-
-    ``mixed``: B tokens uniformly without replacement from the pool, independently per batch.
-    ``lockstep``: a random decode position that at least B requests reach, then B of those requests; in a
-    trace with ``step_ids`` (recorded from an engine), a random engine step of at least B rows, then B of
-    its rows (a step of exactly B rows is replayed as the engine batched it).
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
-    if num_batches < 1:
-        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
-    if mode == "mixed":
-        if batch_size > trace.num_tokens:
-            raise ValueError(f"batch size {batch_size} is larger than the pool of trace {trace.name!r} "
-                             f"({trace.num_tokens} tokens); use batch sizes <= {trace.num_tokens}")
-        return torch.stack([torch.randperm(trace.num_tokens, generator=generator)[:batch_size]
-                            for _ in range(num_batches)])
-    if trace.step_ids is None and (trace.request_ids is None or trace.positions is None):
-        raise ValueError(f"mode 'lockstep' needs request ids and positions (or engine step ids), which trace "
-                         f"{trace.name!r} does not record; use mode 'mixed'")
-    groups = _tokens_by_step(trace) if trace.step_ids is not None else _tokens_by_position(trace)
-    eligible = [tokens for tokens in groups if len(tokens) >= batch_size]
-    if not eligible:
-        most = max(len(tokens) for tokens in groups)
-        where = "one engine step" if trace.step_ids is not None else "one position"
-        raise ValueError(f"lockstep batch size {batch_size} needs {batch_size} requests at {where}, but "
-                         f"trace {trace.name!r} has at most {most}; use batch sizes <= {most}")
-    batches = []
-    for _ in range(num_batches):
-        tokens = eligible[int(torch.randint(len(eligible), (1,), generator=generator))]
-        batches.append(tokens[torch.randperm(len(tokens), generator=generator)[:batch_size]])
-    return torch.stack(batches)
-
-
-def _tokens_by_step(trace: Trace) -> list[torch.Tensor]:
-    """Per recorded engine step, its tokens (rows of one forward pass), in trace order."""
-    assert trace.step_ids is not None
-    order = torch.argsort(trace.step_ids, stable=True)
-    _, counts = torch.unique_consecutive(trace.step_ids[order], return_counts=True)
-    return list(torch.split(order, counts.tolist()))
-
-
-def _tokens_by_position(trace: Trace) -> list[torch.Tensor]:
-    """Per decode position, one token index per request (the first if a request repeats)."""
-    assert trace.request_ids is not None and trace.positions is not None
-    groups = []
-    for position in torch.unique(trace.positions):
-        tokens = torch.nonzero(trace.positions == position).flatten()
-        _, first = np.unique(trace.request_ids[tokens].numpy(), return_index=True)
-        groups.append(tokens[torch.from_numpy(np.sort(first))])
-    return groups
 
 
 def _batch_independent(cfg: object | None) -> bool:
@@ -334,6 +276,8 @@ def simulate(
         seed: seeds batch formation; every policy sees the same batches.
         num_batches: batches per batch size (>= 2); ``None`` draws batches until the 95% interval of
             every row's mean T is within ``precision`` of it (``oea.sim.summary``), at most ``max_batches``.
+            Lockstep batches never repeat (``oea.sim.batches``): a trace with fewer distinct ones gives
+            each once (``ValueError`` when it holds only one).
         model_preset / gpu / tp: latency prediction (``predicted_latency_us``) when both are given;
             ``model_preset`` (a built-in name or a ``ModelPreset``, e.g. from a preset file) defaults
             to the trace's ``meta['model_preset']`` when ``gpu`` is given.
@@ -355,6 +299,7 @@ def simulate(
         ``mean_active_experts``, ``p50_active_experts``, ``p95_active_experts``,
         ``mean_experts_per_token``, ``kept_topk_share``, ``kept_mass`` (or ``None``),
         ``active_ratio_vs_vanilla`` (when vanilla is simulated), ``per_layer_active_experts``,
+        ``distinct_batches`` (lockstep: how many different batches the trace holds at that size),
         ``predicted_latency_us`` (or ``None``; ``latency_ratio_vs_vanilla``), ``max_device_active_experts``
         (when ``ep``), ``dp``, ``union`` and ``per_rank_active_experts`` (when ``dp > 1``), ``note`` and the mean
         of every extra metric. Every mean and ratio has a ``*_ci`` ``[low, high]`` 95% interval over the
@@ -413,18 +358,28 @@ def simulate(
         return samples
 
     for b, batches in batch_plan.items():
-        samples, have = run(batches), first
+        distinct = distinct_batches(trace, b * dp, mode) if mode == "lockstep" else None
+        if batches.shape[0] < 2:
+            raise ValueError(f"lockstep batch size {b}{f' x dp={dp}' if dp > 1 else ''}: trace {trace.name!r} "
+                             f"holds {batches.shape[0]} distinct batch, an interval needs two; use a smaller "
+                             "batch size or mode 'mixed'")
+        samples = run(batches)
         for _ in range(8 if auto else 0):  # the estimate of the needed count settles in one or two rounds
             needed = batches_for_precision(samples, precision, max_batches)
-            if needed <= have:
+            if needed <= batches.shape[0]:
+                break
+            more = step_batches(make_batches, trace, b, dp, mode, needed - batches.shape[0], generator,
+                                exclude=batches)
+            if more.shape[0] == 0:  # every distinct lockstep batch is drawn
                 break
             counter["total"] += len(layer_list)
-            more = run(step_batches(make_batches, trace, b, dp, mode, needed - have,
-                                    generator))
-            samples = {s: extend(samples[s], more[s]) for s in settings}
-            have = needed
+            added = run(more)
+            samples = {s: extend(samples[s], added[s]) for s in settings}
+            batches = torch.cat([batches, more])
         for setting in settings:
             base = {"trace": trace.name, "mode": mode, "policy": setting.policy, "k0": setting.k0, "batch_size": b}
+            if distinct is not None:
+                base["distinct_batches"] = distinct
             if dp > 1:
                 base.update(dp=dp, union=setting.union)
             row = summarise(base, samples[setting], layer_list, cost, b, precision if auto else None)
@@ -434,8 +389,8 @@ def simulate(
 
 
 def _cost_model(trace: Trace, model_preset: str | ModelPreset | None, gpu: str | None, tp: int, ep: int | None):
+    from oea.presets import get_gpu_preset, get_model_preset
     from oea.sim.costmodel import CostModel
-    from oea.sim.presets import get_gpu_preset, get_model_preset
 
     if isinstance(model_preset, str):
         model_preset = get_model_preset(model_preset)  # validate the name even without a GPU

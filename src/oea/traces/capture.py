@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from oea.routing import RouterSpec
-from oea.traces.format import Trace, save_trace, spec_to_json
+from oea.trace_schema import routes_alike
+from oea.traces.format import Trace, save_trace
 
 
 def _moe_routers(model: Any) -> list[tuple[str, torch.nn.Module, RouterSpec]]:
@@ -82,7 +83,7 @@ def capture_decode(
     spec = dataclasses.replace(routers[0][2], correction_bias=None)
     biases = [router_spec.correction_bias for _, _, router_spec in routers]
     for name, _, router_spec in routers:
-        if spec_to_json(router_spec) != spec_to_json(spec):
+        if not routes_alike(router_spec, spec):
             raise ValueError(f"router {name} has spec {router_spec}, unlike the first router's {spec}; "
                              f"a trace holds one router spec")
     recorded: list[list[torch.Tensor]] = [[] for _ in routers]
@@ -205,15 +206,17 @@ DEFAULT_FILE = "embedded-trace.safetensors"
 
 def output_path(out: str) -> pathlib.Path:
     """Where ``oea capture --out OUT`` writes: OUT, or ``OUT/embedded-trace.safetensors`` when OUT is a
-    folder (existing, or written with a trailing ``/``). Checked before the capture runs."""
+    folder (existing, or written with a trailing ``/``: a new folder, created when the trace is saved).
+    Checked before the capture runs: OUT's folder must exist unless OUT ends in ``/``, and accept files."""
     import os
 
+    from oea.console import check_output_file
+
     path = pathlib.Path(out)
-    if out.endswith(("/", os.sep)) or path.is_dir():
+    folder = out.endswith(("/", os.sep)) or path.is_dir()
+    if folder:
         path = path / DEFAULT_FILE
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"--out {out}: folder {path.parent} does not exist")
-    return path
+    return check_output_file(path, "--out", create_folders=folder)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -223,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
     [batch_size] = args.batch_sizes
     torch.set_num_threads(args.threads)
     trace = capture_embedded(batch_size, args.prompt_tokens, args.new_tokens, args.seed, args.model)
-    if args.name:
+    if args.name is not None:
         trace.meta["name"] = args.name
     path = save_trace(trace, path)
     if args.json:

@@ -7,23 +7,39 @@ so ``oea simulate``, ``oea calibrate``, ``oea compare`` and the report never rep
 one token at one layer; errors give the first offending row in token-major order as
 ``(token t, layer l)``.
 
+* ``logits`` [T, L, N]: no NaN, and in every row at least one logit above -inf (-inf marks an expert the
+  router cannot choose; a row without any choosable expert routes nowhere).
 * ``ids`` [T, L, k]: integers, each in ``0..N-1``, k distinct experts per row.
 * ``scores`` [T, L, k]: router probabilities: finite, in ``[0, 1]``, and not increasing along k (ids
   are best first). Where a per-layer ``correction_bias`` exists the router ranks by biased scores, so
   the order of the unbiased scores says nothing and is not checked.
 * ``request_ids`` / ``positions`` / ``step_ids`` [T]: integers; positions and step ids ``>= 0``.
+* ``correction_bias`` [L, N]: finite.
 
 Without scores the best-first order of id-only rows cannot be checked (``ordering_status``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from oea.traces.format import Trace
+    from oea.routing import RouterSpec
+
+
+class TraceTensors(Protocol):
+    """What the checks read of a trace (``oea.traces.format.Trace`` has it; this module does not import it)."""
+
+    spec: RouterSpec
+    logits: torch.Tensor | None
+    ids: torch.Tensor | None
+    scores: torch.Tensor | None
+    request_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    step_ids: torch.Tensor | None
+    correction_bias: torch.Tensor | None
 
 # float16 storage rounds a probability of 1.0 up by at most one ulp (~1e-3)
 SCORE_MAX = 1.0 + 1e-3
@@ -93,6 +109,25 @@ def check_ids(ids: torch.Tensor, num_experts: int, where: str) -> None:
                   f"{_show(row)} (expert {', '.join(map(str, repeated))} twice)")
 
 
+def _share(mask: torch.Tensor) -> str:
+    return f"{int(mask.sum())} of {mask.numel()} rows"
+
+
+def check_logits(logits: torch.Tensor, where: str) -> None:
+    """[T, L, N] router logits: no NaN, and every row with a logit above -inf."""
+    nan = torch.isnan(logits)
+    if bool(nan.any()):
+        rows = nan.any(-1)
+        index = first_row(rows)
+        _fail(where, "logits", f"router logits must not be NaN (-inf marks an expert the router cannot choose), "
+              f"{_row(index)} holds {int(nan[index].sum())} NaN of {logits.shape[-1]} ({_share(rows)} hold NaN)")
+    empty = ~(logits > float("-inf")).any(-1)
+    if bool(empty.any()):
+        index = first_row(empty)
+        _fail(where, "logits", f"every row needs a logit above -inf (an expert the router can choose), "
+              f"{_row(index)} holds only -inf ({_share(empty)})")
+
+
 def check_scores(scores: torch.Tensor, where: str, check_order: bool = True) -> None:
     """[T, L, k] router probabilities: finite, in [0, 1] and, when ``check_order``, best first."""
     bad = ~torch.isfinite(scores)
@@ -122,8 +157,10 @@ def check_positions(positions: torch.Tensor, where: str, field_name: str = "posi
         _fail(where, field_name, f"{field_name} must be >= 0, {_row(index)} has {int(positions[index])}")
 
 
-def check_contents(trace: Trace, where: str) -> None:
+def check_contents(trace: TraceTensors, where: str) -> None:
     """Every content check above on a trace whose shapes are already validated."""
+    if trace.logits is not None:
+        check_logits(trace.logits, where)
     if trace.ids is not None:
         check_integer(trace.ids, where, "ids")
         check_ids(trace.ids, trace.spec.num_experts, where)
@@ -137,6 +174,11 @@ def check_contents(trace: Trace, where: str) -> None:
         tensor = getattr(trace, name)
         if tensor is not None:
             check_positions(tensor, where, name)
+    bias = trace.correction_bias
+    if bias is not None and not bool(torch.isfinite(bias).all()):
+        index = first_row(~torch.isfinite(bias))
+        _fail(where, "correction_bias", f"must hold finite values, layer {index[0]} expert {index[1]} holds "
+              f"{_show(bias[index])}")
 
 
 SIDECAR_STRINGS: tuple[str, ...] = ("name", "source", "licence", "model", "kind")
@@ -155,7 +197,7 @@ def check_sidecar(meta: dict, where: str) -> None:
         _fail(where, "notes", f"must be a list of strings, got {notes!r}")
 
 
-def ordering_status(trace: Trace) -> str:
+def ordering_status(trace: TraceTensors) -> str:
     """How far the best-first order of the recorded ids is known to hold (shown by ``oea traces``)."""
     if trace.ids is None:
         return "full logits: the router's ranking is recomputed, no order to check"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from oea.console import add_batch_sizes_argument, int_at_least
+from oea.console import add_batch_sizes_argument, check_output_file, int_at_least, non_empty_text, seed_value
 
 IMPORT_OPTIONS = ("out", "num_experts", "top_k", "scoring", "trace_name", "model", "model_preset", "source",
                   "licence")
@@ -76,10 +76,11 @@ def _import(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must name a .safetensors file (its .json sidecar is written beside it), got {out}")
+    check_output_file(out, "--out", create_folders=True)
     meta = {key: getattr(args, key) for key in ("model", "model_preset", "source", "licence")
             if getattr(args, key) is not None}
     if args.model_preset is not None:
-        from oea.sim.presets import get_model_preset
+        from oea.presets import get_model_preset
 
         get_model_preset(args.model_preset)
     trace = import_trace(args.file, args.num_experts, args.top_k, scoring=args.scoring or "softmax",
@@ -89,7 +90,8 @@ def _import(args: argparse.Namespace) -> int:
         written = save_trace(trace, out)
     except OSError as err:
         raise ValueError(f"--out {out}: cannot write ({err})") from None
-    from oea.traces.format import read_trace_file, sidecar_path
+    from oea.trace_schema import sidecar_path
+    from oea.traces.format import read_trace_file
 
     read_trace_file(written)  # the file as every other command will load it
     record = summary(trace, [written, sidecar_path(written)])
@@ -128,7 +130,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="router family stored in the spec (default: softmax)")
     g.add_argument("--no-renormalize", action="store_true",
                    help="the router does not renormalise the top-k weights (spec.renormalize = false)")
-    g.add_argument("--name", dest="trace_name", default=None, metavar="NAME", help="trace name (default: FILE's stem)")
+    g.add_argument("--name", dest="trace_name", type=non_empty_text, default=None, metavar="NAME",
+                   help="trace name (default: FILE's stem)")
     g.add_argument("--sort-by-scores", action="store_true",
                    help="reorder each row by descending score (inputs not stored best first)")
     g.add_argument("--model", default=None, help="model name stored in the sidecar")
@@ -142,14 +145,15 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     c.add_argument("--model", default=None, metavar="PATH",
                    help="HF checkpoint directory with its tokenizer (default: the embedded model)")
     c.add_argument("--out", default="embedded-trace.safetensors", metavar="FILE_OR_FOLDER",
-                   help="trace file to write (.safetensors + .json sidecar); a folder (existing, or ending in /) "
-                        "gets embedded-trace.safetensors inside it")
+                   help="trace file to write (.safetensors + .json sidecar); a folder (existing, or ending in /: "
+                        "created) gets embedded-trace.safetensors inside it")
     add_batch_sizes_argument(c, [16], "sequences (from different documents) decoded together in lock-step "
                              "(one batch size)", single=True, legacy_alias=True)
     c.add_argument("--prompt-tokens", type=int_at_least(1), default=32, help="tokens of each document used as prompt")
     c.add_argument("--new-tokens", type=int_at_least(1), default=32, help="decode steps recorded per sequence")
-    c.add_argument("--name", default=None, help="trace name stored in the metadata (default: embedded or the path)")
-    c.add_argument("--seed", type=int, default=0, help="seeds which documents are used")
+    c.add_argument("--name", type=non_empty_text, default=None,
+                   help="trace name stored in the metadata (default: embedded or the path)")
+    c.add_argument("--seed", type=seed_value, default=0, help="seeds which documents are used")
     c.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
     c.add_argument("--json", action="store_true", help="print what was written as JSON")
     c.set_defaults(handler=_capture)

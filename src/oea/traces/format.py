@@ -2,21 +2,9 @@
 
 Shape legend: T = recorded tokens, L = MoE layers, N = routed experts, k = the model's top-k.
 
-Tensors (every one optional except that ``logits`` or ``ids`` must be present):
-
-* ``logits``          [T, L, N] float16/float32: full router logits.
-* ``ids``             [T, L, k] integer: the model's own top-k expert ids, best first.
-* ``scores``          [T, L, k] float: the router score of each recorded id (e.g. softmax probability).
-* ``request_ids``     [T] integer: which request / sequence the token belongs to.
-* ``positions``       [T] integer: the token's decode step (or position) within its request.
-* ``step_ids``        [T] integer: the engine step (forward pass) that decoded the token; tokens with the
-  same step id were batched together (recorded by the engine plugins, ``OEA_TRACE_FILE``).
-* ``correction_bias`` [L, N] float: per-layer selection bias of sigmoid routers.
-
-The JSON sidecar holds ``format`` (``"oea-trace"``), ``version``, ``num_tokens``, ``num_layers``, the
-router ``spec`` (num_experts, top_k, scoring, renormalize, n_group, topk_group,
-routed_scaling_factor), and the provenance: ``source``, ``licence``, ``model``, ``notes`` (and any
-other keys, kept in ``Trace.meta``); ``docs/traces.md`` lists every field and its allowed values.
+The tensors and the sidecar's fields are listed with the format's names in ``oea.trace_schema`` (shared
+with the engines' recorder); ``docs/traces.md`` lists every field and its allowed values. Here: the
+``Trace`` object, saving and loading.
 
 Every trace built or loaded is checked row by row (``oea.traces.checks``): duplicate or out-of-range
 ids, float ids, non-finite, negative or unordered scores are errors naming the file, field and row.
@@ -32,14 +20,19 @@ from typing import Any
 import torch
 
 from oea.routing import RouterSpec
+from oea.trace_schema import (
+    FORMAT_KEYS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INTEGER_NAMES,
+    MAX_EXPERTS,
+    PAD_PREFIX,
+    SPEC_FIELDS,
+    TENSOR_NAMES,
+    sidecar,
+    sidecar_path,
+)
 from oea.traces.checks import check_contents, check_integer, check_sidecar
-
-FORMAT_NAME = "oea-trace"
-FORMAT_VERSION = 1
-_SPEC_FIELDS = ("num_experts", "top_k", "scoring", "renormalize", "n_group", "topk_group",
-                "routed_scaling_factor")
-_TENSOR_NAMES = ("logits", "ids", "scores", "request_ids", "positions", "step_ids", "correction_bias")
-_INTEGER_NAMES = ("ids", "request_ids", "positions", "step_ids")
 
 
 @dataclass
@@ -69,12 +62,12 @@ class Trace:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in _TENSOR_NAMES:  # numpy arrays and nested lists are welcome
+        for name in TENSOR_NAMES:  # numpy arrays and nested lists are welcome
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.Tensor):
                 setattr(self, name, torch.as_tensor(value))
         validate(self, where="Trace")
-        for name in _INTEGER_NAMES:  # int64: what torch indexing ops need
+        for name in INTEGER_NAMES:  # int64: what torch indexing ops need
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.long())
@@ -118,15 +111,15 @@ def make_trace(where: str, spec: RouterSpec, meta: dict[str, Any] | None = None,
 
     ``tensors`` are the ``Trace`` tensor fields (``logits``, ``ids``, ...), already torch tensors.
     """
-    unknown = sorted(set(tensors) - set(_TENSOR_NAMES))
+    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
     if unknown:
-        raise TypeError(f"unknown trace tensors {unknown}; allowed: {list(_TENSOR_NAMES)}")
+        raise TypeError(f"unknown trace tensors {unknown}; allowed: {list(TENSOR_NAMES)}")
     trace = Trace.__new__(Trace)
     trace.spec, trace.meta = spec, dict(meta or {})
-    for name in _TENSOR_NAMES:
+    for name in TENSOR_NAMES:
         setattr(trace, name, tensors.get(name))
     validate(trace, where=where)
-    for name in _INTEGER_NAMES:
+    for name in INTEGER_NAMES:
         value = getattr(trace, name)
         if value is not None:
             setattr(trace, name, value.long())
@@ -143,6 +136,9 @@ def validate(trace: Trace, where: str) -> None:
     if trace.logits is None and trace.ids is None:
         _fail(where, "logits/ids", "a trace needs full logits or top-k ids, got neither")
     spec = trace.spec
+    if spec.num_experts > MAX_EXPERTS:
+        _fail(where, "spec.num_experts", f"must be in 1..{MAX_EXPERTS} (expert ids are stored as int16), got "
+              f"{spec.num_experts}")
     main = trace.logits if trace.logits is not None else trace.ids
     assert main is not None
     if main.dim() != 3:
@@ -177,18 +173,13 @@ def validate(trace: Trace, where: str) -> None:
     check_contents(trace, where)
 
 
-def spec_to_json(spec: RouterSpec) -> dict[str, Any]:
-    """The JSON form of a router spec (the correction bias travels as a tensor, not here)."""
-    return {name: getattr(spec, name) for name in _SPEC_FIELDS}
-
-
 def spec_from_json(raw: Any, where: str) -> RouterSpec:
     """A ``RouterSpec`` from its JSON form; raises ``ValueError`` naming ``where`` and the field."""
     if not isinstance(raw, dict):
-        _fail(where, "spec", f"must be an object with {list(_SPEC_FIELDS)}, got {raw!r}")
-    unknown = sorted(set(raw) - set(_SPEC_FIELDS))
+        _fail(where, "spec", f"must be an object with {list(SPEC_FIELDS)}, got {raw!r}")
+    unknown = sorted(set(raw) - set(SPEC_FIELDS))
     if unknown:
-        _fail(where, "spec", f"unknown keys {unknown}; allowed: {list(_SPEC_FIELDS)}")
+        _fail(where, "spec", f"unknown keys {unknown}; allowed: {list(SPEC_FIELDS)}")
     for name in ("num_experts", "top_k"):
         if name not in raw:
             _fail(where, f"spec.{name}", "missing")
@@ -196,11 +187,6 @@ def spec_from_json(raw: Any, where: str) -> RouterSpec:
         return RouterSpec(**raw)
     except ValueError as err:
         raise ValueError(f"{where}: field 'spec': {err}") from err
-
-
-def sidecar_path(path: pathlib.Path) -> pathlib.Path:
-    """``x.safetensors`` -> ``x.json``."""
-    return path.with_suffix(".json")
 
 
 def save_trace(trace: Trace, path: str | pathlib.Path) -> pathlib.Path:
@@ -233,11 +219,7 @@ def save_trace(trace: Trace, path: str | pathlib.Path) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     path.chmod(0o644)
-    meta = dict(trace.meta)
-    meta.update(
-        format=FORMAT_NAME, version=FORMAT_VERSION, num_tokens=trace.num_tokens, num_layers=trace.num_layers,
-        spec=spec_to_json(trace.spec), tensors=sorted(tensors),
-    )
+    meta = sidecar(trace.meta, trace.spec, trace.num_tokens, trace.num_layers, list(tensors))
     sidecar_path(path).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return path
 
@@ -274,12 +256,12 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
     check_sidecar(meta, str(meta_path))
     try:  # a recording's checkpoint pads its growing tensors with "_pad<i>" bytes: never read
         with safe_open(str(path), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys() if not name.startswith("_pad")}  # noqa: SIM118
+            tensors = {name: f.get_tensor(name) for name in f.keys() if not name.startswith(PAD_PREFIX)}  # noqa: SIM118
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{path}: not a readable safetensors file ({err})") from err
-    unknown = sorted(set(tensors) - set(_TENSOR_NAMES))
+    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
     if unknown:
-        raise ValueError(f"{path}: unknown tensors {unknown}; allowed: {list(_TENSOR_NAMES)}")
+        raise ValueError(f"{path}: unknown tensors {unknown}; allowed: {list(TENSOR_NAMES)}")
     listed = meta.get("tensors")
     if listed is not None and sorted(listed) != sorted(tensors):
         raise ValueError(f"{meta_path}: field 'tensors' lists {sorted(listed)} but {path.name} holds "
@@ -291,11 +273,10 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
     def as_long(name: str) -> torch.Tensor | None:
         return tensors[name].long() if name in tensors else None
 
-    for name in _INTEGER_NAMES:  # before the int64 conversion below would truncate float ids
+    for name in INTEGER_NAMES:  # before the int64 conversion below would truncate float ids
         if name in tensors:
             check_integer(tensors[name], str(path), name)
-    trace_meta = {k: v for k, v in meta.items()
-                  if k not in ("format", "version", "num_tokens", "num_layers", "spec", "tensors")}
+    trace_meta = {k: v for k, v in meta.items() if k not in FORMAT_KEYS}
     trace_meta.setdefault("name", path.stem)
     trace_meta["path"] = str(path)
     trace = make_trace(

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from oea.routing import RouterSpec
+from oea.trace_schema import MAX_EXPERTS
 from oea.traces.checks import ordering_status
 from oea.traces.format import Trace, make_trace
 
@@ -264,11 +265,19 @@ def import_trace(
     for flag, value, low in (("--num-experts", num_experts, 1), ("--top-k", top_k, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"--num-experts must be in 1..{MAX_EXPERTS} (a trace stores expert ids as int16), got "
+                         f"{num_experts}")
+    if name is not None and not name.strip():
+        raise ValueError(f"--name must be a non-empty trace name, got {name!r} (omit it for the input file's stem)")
     if top_k > num_experts:
         raise ValueError(f"--top-k must be in 1..--num-experts={num_experts}, got {top_k}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"--scoring must be one of ['softmax', 'sigmoid'], got {scoring!r}")
     arrays = read_arrays(path, top_k)
+    if sort_by_scores and "scores" not in arrays:
+        raise ValueError(f"--sort-by-scores reorders each row by its scores, but {path} has no 'scores' (it holds "
+                         f"{sorted(arrays)}); without scores the recorded order is kept: drop the flag")
     for field in ("ids", "scores"):
         if field in arrays and arrays[field].shape[-1] != top_k:
             raise ValueError(f"{path}: field {field!r}: has {arrays[field].shape[-1]} experts per row "

@@ -8,6 +8,7 @@ import json
 import math
 from typing import Any
 
+from oea.console import seed_value
 from oea.sim.preset_file import add_model_preset_file_argument
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
@@ -48,9 +49,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _cost_model(args: argparse.Namespace, trace: Any) -> tuple[Any | None, str]:
     """The latency model (``None`` when no model preset is known) and a line saying which it is."""
-    from oea.sim.costmodel import CostModel
-    from oea.sim.preset_file import parallel_degrees, resolve_model_preset
-    from oea.sim.presets import get_gpu_preset, get_model_preset
+    from oea.presets import get_gpu_preset, get_model_preset
+    from oea.sim.costmodel import CostModel, check_parallel
+    from oea.sim.preset_file import parallel_degrees, parallel_names, resolve_model_preset
 
     preset = resolve_model_preset(args.model_preset, args.model_preset_file)
     tp, ep = parallel_degrees(preset, args.tp, args.ep)
@@ -63,6 +64,7 @@ def _cost_model(args: argparse.Namespace, trace: Any) -> tuple[Any | None, str]:
                              f"--model-preset-file to predict latency on --gpu {args.gpu}")
         return None, ("latency: not predicted (the trace names no model preset: pass --model-preset NAME or "
                       "--model-preset-file FILE, and --gpu)")
+    check_parallel(model, tp, ep or 1, *parallel_names(preset, args.tp, args.ep))
     cost = CostModel(model, get_gpu_preset(args.gpu or DEFAULT_GPU), tp=tp, ep=ep or 1)
     line = f"latency: cost model, {model.name} on {cost.gpu.name} tp={cost.tp} ep={cost.ep} (datasheet peaks)"
     if cost.ep > 1:
@@ -101,6 +103,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out) if args.out else None
     if out is not None and out.is_dir():
         raise ValueError(f"--out must name a file (the OEA_LAYER_K0_FILE to write), got the directory {out}")
+    if out is not None:
+        from oea.console import check_output_file
+
+        check_output_file(out, "--out")
     samples = measure_samples(trace, calibrated, k0s, num_batches=args.num_batches, seed=args.seed, mode=args.mode)
     schedule, chosen = recommend(trace, samples, args.tolerance, per_layer=args.what == "layers",
                                  min_batch=args.min_batch)
@@ -204,7 +210,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--min-batch", type=int, default=2,
                    help="OEA leaves smaller batches vanilla; smaller batch sizes are not calibrated (default 2)")
     p.add_argument("--num-batches", type=int, default=32, help="batches per batch size (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="seeds batch formation (default 0)")
+    p.add_argument("--seed", type=seed_value, default=0, help="seeds batch formation (default 0)")
     p.add_argument("--model-preset", default=None,
                    help="built-in model preset for latency (default: the trace's, when it names one)")
     add_model_preset_file_argument(p)

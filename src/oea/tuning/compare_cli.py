@@ -10,7 +10,15 @@ import json
 import pathlib
 from typing import Any
 
-from oea.console import add_batch_sizes_argument, check_unique, format_interval, int_at_least, wide_console
+from oea.console import (
+    add_batch_sizes_argument,
+    check_output_file,
+    check_unique,
+    format_interval,
+    int_at_least,
+    seed_value,
+    wide_console,
+)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -26,6 +34,8 @@ def _compare(args: argparse.Namespace) -> int:
     )
 
     check_unique(args.batch_sizes, "--batch-sizes")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     trace = load_trace(args.trace)
     check_compare_arguments(trace, args.k0, args.num_batches, args.layers)  # before the first batch size runs
     adaptive = AdaptiveK0Config(tuple(tuple(e) for e in args.adaptive)) if args.adaptive else None
@@ -181,7 +191,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     c.add_argument("--layers", type=int_at_least(0), nargs="+", metavar="LAYER",
                    help="MoE layer indices to use, in 0..L-1 (default: all)")
     c.add_argument("--num-batches", type=int_at_least(2), default=16, help="batches per batch size")
-    c.add_argument("--seed", type=int, default=0, help="seeds batch formation")
+    c.add_argument("--seed", type=seed_value, default=0, help="seeds batch formation")
     c.add_argument("--plot", metavar="PATH", help="write a PNG of the proxy vs T and vs busiest-device T "
                                                   "(one per batch size, suffixed _B<B>, when several)")
     c.add_argument("--json", action="store_true", help="print the rows as JSON")

@@ -2,9 +2,10 @@
 
 Enable with ``OEA_K0=<k0>`` (alias ``SGLANG_OEA_K0``) in the environment of the SGLang server;
 everything else is automatic: SGLang's ``load_plugins()`` runs ``register`` in every process and applies
-the hooks through its ``HookRegistry``. Without ``OEA_K0`` the plugin installs nothing and SGLang is
-untouched. A malformed ``OEA_*`` variable stops start-up (``register`` raises ``SystemExit`` naming it);
-inside a forward pass nothing raises: unsupported routings pass through with one warning per reason.
+the hooks through its ``HookRegistry``. Without ``OEA_K0`` (and without ``OEA_TRACE_FILE`` / ``OEA_METRICS_FILE``,
+which only observe SGLang's routing) the plugin installs nothing and SGLang is untouched. A malformed ``OEA_*``
+variable stops start-up (``register`` raises ``SystemExit`` naming it); inside a forward pass nothing raises:
+unsupported routings pass through with one warning per reason.
 SGLang 0.5.12-0.5.23; older versions: ``python -m oea.launch.sglang`` (see docs/sglang.md).
 
 One job per file:
@@ -13,7 +14,14 @@ One job per file:
 * ``hooks.py``: the hooks SGLang calls around each forward (decode detection: ``forward_context`` where it
   carries the batch, else ``ModelRunner.forward`` and the graph captures), the plan of which hook goes on
   which target for the installed version, and whether each is in place;
-* ``routing.py``: the hot path, run in every routing call (``post_process_before`` -> ``rewrite_topk``);
+* ``routing.py``: the hot path, run in every routing call (``post_process_before`` -> ``rewrite_topk``), each
+  layer's config from ``oea.routing.LayerConfigs``;
+* ``fillers.py``: the zero-weight filler slots of a rewritten row made distinct ids SGLang's native MoE can run;
+* ``padding.py``: which rows of a CUDA/CPU graph's padded batch are real;
+* ``placement.py``: ``OEA_POLICY=ep``, each layer's expert placement from SGLang's EP layout;
+* ``recording.py``: ``OEA_TRACE_FILE``, the SGLang side of ``oea.integrations.recorder``;
+* ``metrics.py``: ``OEA_METRICS_FILE`` (and ``OEA_TIMING``), the SGLang side of ``oea.integrations.metrics``: one
+  row per forward, as vLLM's;
 * ``specs.py``: SGLang's ``TopKConfig`` -> ``RouterSpec`` (or why not);
 * ``state.py``: per-process state and the per-thread forward-mode stack;
 * ``targets.py``: supported versions, entry point, hooked functions and the parameters they must have;

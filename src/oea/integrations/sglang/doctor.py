@@ -16,8 +16,8 @@ import torch
 
 import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
-from oea.config import EnvSettings, layer_k0_schedule, settings_from_env
-from oea.integrations.doctor_common import check, check_call, entry_point_checks, same_routing, version_tuple
+from oea.config import EnvSettings, layer_configs, settings_from_env
+from oea.integrations.doctor_common import check, check_call, entry_point_checks, version_tuple
 from oea.integrations.sglang.hooks import (
     decode_detection,
     hook_plan,
@@ -29,7 +29,7 @@ from oea.integrations.sglang.hooks import (
 from oea.integrations.sglang.placement import doctor_placement
 from oea.integrations.sglang.plugin import install, register
 from oea.integrations.sglang.targets import engine_version
-from oea.routing import OEAConfig, RouterSpec, active_experts, route
+from oea.routing import OEAConfig, RouterSpec, active_experts, route, same_routing
 
 
 def doctor_checks() -> list[dict[str, Any]]:
@@ -78,18 +78,16 @@ def _check_environment() -> str:
     """What ``register`` does with this environment (it reads it with the same functions)."""
     try:
         settings = settings_from_env()
-        schedule = layer_k0_schedule(settings)
+        configs = layer_configs(settings)
     except ValueError as err:  # the message names the variable
         raise RuntimeError(str(err)) from None
     if settings.oea is None:
-        if schedule is not None:
-            raise RuntimeError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file} is set but OEA_K0 is not: the plugin "
-                               "installs nothing without OEA_K0 (the k0 of layers the file does not list); set it")
         return "OEA off: OEA_K0 (or SGLANG_OEA_K0) unset; SGLang routing stays unmodified"
     source = ", ".join(f"{k}={v}" for k, v in (settings.source or {}).items())
+    schedule = configs.schedule
     layers = "" if schedule is None else (
         f"; k0 per layer from {settings.layer_k0_file} ({schedule.num_layers} MoE layers, {schedule.num_experts} "
-        f"experts, top_k {schedule.top_k}" + ("; its batch_k0 ranges are not read)" if schedule.batch_k0 else ")"))
+        f"experts, top_k {schedule.top_k}: {configs.describe()})")
     return (f"OEA on: k0={settings.oea.k0}, min_batch={settings.oea.min_batch}, "
             f"max_experts={settings.oea.max_experts or 'top_k'}, group_fill={settings.oea.group_fill}, "
             f"apply_to_verify={settings.apply_to_verify}{', policy=ep' if settings.policy == 'ep' else ''} "

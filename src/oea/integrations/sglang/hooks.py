@@ -7,6 +7,7 @@
   the batch. Each pushes the batch's ``ForwardMode`` on the per-thread stack of ``state.py`` for the
   duration of the forward (or capture).
 * The rewrite: ``routing.post_process_before`` and ``routing.select_experts_before`` (BEFORE hooks).
+* ``OEA_METRICS_FILE``: the phase hooks also hold each forward's metrics row (``metrics.forward``).
 * CUDA-graph padding: ``padding.replay_around`` on the graph runners' replay preparation; the phase hooks
   also push each forward's row frame (``padding.batch_rows``).
 
@@ -22,6 +23,7 @@ import pkgutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import oea.integrations.sglang.metrics as metrics
 import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
@@ -42,7 +44,7 @@ def _forward_context_around(original: Callable[..., Any], *args: Any, **kwargs: 
 def _phase_context(inner: Any, mode: Any, forward_batch: Any) -> Iterator[Any]:
     _note_phase_hook()
     with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode), \
-            inner as value:
+            metrics.forward(forward_batch, mode), inner as value:
         yield value
 
 
@@ -64,7 +66,8 @@ def model_runner_phase(forward_batch: Any) -> Iterator[None]:
                                   f"(sglang {targets.engine_version()}; supported: {targets.SUPPORTED_VERSIONS}); "
                                   "such forwards keep SGLang's routing")
         mode = None
-    with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode):
+    with forward_mode(mode), padding.batch_rows(forward_batch, mode), recording.forward(forward_batch, mode), \
+            metrics.forward(forward_batch, mode):
         yield
 
 

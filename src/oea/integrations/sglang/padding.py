@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import oea.integrations.sglang.targets as targets
+from oea.integrations.runtime import tracing  # compiled or captured: only device tensors carry per-step values
 from oea.integrations.sglang.state import PHASE, STATE, log, mode_rerouted, warn_once
 
 MODEL_EXECUTOR = "sglang.srt.model_executor"
@@ -109,14 +110,6 @@ def _device_key(device: torch.device | str) -> str:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return str(device)
-
-
-def tracing() -> bool:
-    """True while routing is being compiled (Dynamo) or captured into a CUDA graph: Python runs once, the
-    recorded graph many times, so only device tensors may carry per-step values."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def fill(device: torch.device | str, rows: int) -> None:

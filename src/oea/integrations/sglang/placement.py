@@ -22,9 +22,8 @@ import dataclasses
 import importlib
 from typing import Any
 
-import torch
-
 from oea.integrations.placement import EPLayerConfigs, describe_placement, placement_from_slots
+from oea.integrations.runtime import call_after, graph_capturing
 from oea.integrations.sglang.state import STATE, log, warn_once
 from oea.routing import EPOEAConfig, ExpertPlacement, OEAConfig
 
@@ -80,7 +79,8 @@ def _local_dp_routing() -> str | None:
     return None
 
 
-CONFIGS = EPLayerConfigs(read_layer_placement)
+CONFIGS = EPLayerConfigs(read_layer_placement, log)
+refresh = CONFIGS.refresh  # reread the placements after SGLang updated its metadata (EPLB); logs what changed
 
 
 def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = None) -> OEAConfig | EPOEAConfig:
@@ -90,7 +90,7 @@ def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = Non
     settings = STATE.settings
     if settings is None or settings.policy != "ep":
         return cfg
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    capturing = graph_capturing()
     meta = importlib.import_module(LOCATION_MODULE).get_global_expert_location_metadata()
     if meta is not _DEVICE["metadata"] and not capturing:  # first call, or SGLang replaced its metadata
         _DEVICE["metadata"] = meta
@@ -124,14 +124,6 @@ def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = Non
     return built
 
 
-def refresh() -> list[str]:
-    """Reread the placements after SGLang updated its expert location metadata (EPLB)."""
-    changed = CONFIGS.refresh()
-    if changed:
-        log.info("oea: EPLB rebalanced; EP-aware OEA placements updated: %s", ", ".join(changed))
-    return changed
-
-
 def install() -> list[str]:
     """``OEA_POLICY=ep``: wrap ``ExpertLocationMetadata.update`` so that an EPLB rebalance rereads the placements."""
     if STATE.settings is None or STATE.settings.policy != "ep":
@@ -142,19 +134,7 @@ def install() -> list[str]:
         warn_once("ep-import", f"OEA_POLICY=ep: SGLang's expert location metadata is missing ({err}); every layer "
                                "keeps plain OEA")
         return []
-    original = metadata.__dict__["update"]
-    if getattr(original, "_oea_wrapped", False):
-        return []
-
-    def update(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-        out = _original(self, *args, **kwargs)
-        if CONFIGS.configs:
-            refresh()
-        return out
-
-    update._oea_wrapped = True  # type: ignore[attr-defined]
-    metadata.update = update
-    return ["ExpertLocationMetadata.update"]
+    return ["ExpertLocationMetadata.update"] if call_after(metadata, "update", CONFIGS.refresh_if_built) else []
 
 
 

@@ -16,9 +16,19 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import oea.integrations.sglang.metrics as metrics
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
-from oea.config import EnvSettings, layer_k0_schedule, settings_from_env, trace_settings_from_env
+from oea.config import (
+    EnvSettings,
+    blank_note,
+    blank_variables,
+    layer_configs,
+    metrics_flush_interval,
+    settings_from_env,
+    timing_from_env,
+    trace_settings_from_env,
+)
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
 from oea.integrations.sglang.placement import install as install_ep_placements
 from oea.integrations.sglang.routing import select_experts_around_legacy
@@ -28,7 +38,9 @@ from oea.integrations.sglang.state import STATE, log, warn_once
 def register() -> None:
     """``sglang.srt.plugins`` entry point: runs in every SGLang process before hooks are applied.
 
-    Reads the environment (``OEA_K0`` and ``OEA_TRACE_FILE`` off -> nothing is installed). Does not touch CUDA.
+    Reads the environment (``OEA_K0``, ``OEA_TRACE_FILE``, ``OEA_METRICS_FILE`` and ``OEA_TIMING`` off -> nothing
+    is installed; without ``OEA_K0`` the hooks only observe: SGLang's routing, recorded or counted). Does not
+    touch CUDA.
 
     A malformed ``OEA_*`` value stops the process with ``SystemExit`` naming the variable: SGLang's
     loader catches (and only logs) ``Exception`` from plugins, which would leave the server running
@@ -37,11 +49,18 @@ def register() -> None:
     try:
         settings = settings_from_env()
         trace = trace_settings_from_env()
+        timing = timing_from_env()
+        metrics_flush_interval()
+        layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0
     except ValueError as err:
-        log.error("oea: invalid OEA configuration: %s", err)
+        # SystemExit's message is the one line the process prints (a log line beside it would repeat it)
         raise SystemExit(f"oea: invalid OEA configuration: {err}") from None
+    blank = blank_note(blank_variables(os.environ))
+    if blank:  # OEA_K0= is read as unset: said, not silent
+        warn_once("blank", blank)
     recording.configure(trace, settings.apply_to_verify)  # an unwritable OEA_TRACE_FILE: a warning, no recording
-    if settings.oea is None and recording.TRACE.settings is None:
+    metrics.configure(settings, timing)  # an unwritable OEA_METRICS_FILE: a warning, no metrics
+    if settings.oea is None and recording.TRACE.settings is None and metrics.METRICS.path is None:
         log.info("oea: OEA_K0 unset; SGLang routing unchanged")
         return
     install(settings)
@@ -56,9 +75,9 @@ def install(settings: EnvSettings) -> list[str]:
     if simulated:
         warn_once("simulate", f"{', '.join(simulated)} overrides routing; OEA is not installed")
         return []
-    STATE.layer_schedule = None
-    STATE.layer_configs.clear()
-    STATE.layer_schedule = layer_k0_schedule(settings)  # errors name OEA_LAYER_K0_FILE and the file
+    STATE.layers = None
+    STATE.layer_index.clear()
+    STATE.layers = layer_configs(settings)  # errors name OEA_LAYER_K0_FILE and the file
     STATE.settings = settings
     install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
     STATE.specs.clear()
@@ -74,8 +93,9 @@ def install(settings: EnvSettings) -> list[str]:
     for target, hook, kind in plan:
         HookRegistry.register(target, hook, getattr(HookType, kind))
     STATE.installed_targets = tuple(target for target, _, _ in plan)
-    log.info("oea: OEA k0=%d min_batch=%d registered on %s", settings.oea.k0 if settings.oea else 0,
-             settings.oea.min_batch if settings.oea else 0, ", ".join(STATE.installed_targets))
+    what = f"OEA k0={settings.oea.k0} min_batch={settings.oea.min_batch}" if settings.oea else \
+        "observe (SGLang's routing, recorded or counted)"
+    log.info("oea: %s registered on %s", what, ", ".join(STATE.installed_targets))
     return list(STATE.installed_targets)
 
 
@@ -94,6 +114,7 @@ def install_without_registry(settings: EnvSettings) -> list[str]:
     install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
     STATE.specs.clear()
     recording.configure(trace_settings_from_env(), settings.apply_to_verify)
+    metrics.configure(settings, timing_from_env())
     patched: list[str] = []
     topk = importlib.import_module(targets.TOPK_MODULE)
     plan = hook_plan()

@@ -16,7 +16,6 @@ side of ``oea.integrations.recorder``.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,10 +23,12 @@ from typing import Any
 import torch
 
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path, trace_path_problem
+from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
+from oea.integrations.recording_common import recording_meta, writable_settings
+from oea.integrations.runtime import graph_capturing, process_rank
 from oea.integrations.sglang.state import log, warn_once
-from oea.integrations.trace_file import SPEC_FIELDS
 from oea.routing import RouterSpec
+from oea.trace_schema import routes_alike
 
 DEFAULT_CAPACITY = 512  # rows per decode step kept when SGLang does not say its largest batch
 
@@ -50,12 +51,7 @@ TRACE = _Trace()  # one per process, never replaced
 def configure(settings: TraceSettings | None, apply_to_verify: bool = False) -> None:
     """Start-up: keep ``settings`` unless the file cannot be written (then one warning, no recording);
     ``apply_to_verify`` (``OEA_APPLY_TO_VERIFY``) records speculative verify forwards too."""
-    problem = None if settings is None else trace_path_problem(rank_path(settings.path, _rank()))
-    if settings is not None and problem is not None:
-        log.warning("oea: OEA_TRACE_FILE=%s cannot be written (%s); serving without recording", settings.path,
-                    problem)
-        settings = None
-    TRACE.settings, TRACE.verify = settings, apply_to_verify
+    TRACE.settings, TRACE.verify = writable_settings(settings, log), apply_to_verify
 
 
 @contextlib.contextmanager
@@ -77,7 +73,7 @@ def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
     finally:
         TRACE.depth -= 1
         recorded, TRACE.active = TRACE.active, False
-        if recorded and TRACE.recorder is not None and not _capturing():
+        if recorded and TRACE.recorder is not None and not graph_capturing():
             _submit(forward_batch)
 
 
@@ -94,7 +90,7 @@ def stage(layer_id: Any, router_logits: torch.Tensor, spec: RouterSpec | str) ->
     """One routing call of a DECODE forward (``spec``: the layer's router, or why it passes through)."""
     if TRACE.settings is None:
         return
-    capturing = _capturing()
+    capturing = graph_capturing()
     slot = TRACE.slots.get(layer_id, -1)
     if slot == -1:
         if capturing:
@@ -108,13 +104,13 @@ def stage(layer_id: Any, router_logits: torch.Tensor, spec: RouterSpec | str) ->
 def _add_layer(layer_id: Any, router_logits: torch.Tensor, spec: RouterSpec | str) -> int | None:
     """The recorded layer for ``layer_id``, or None (left out: unsupported, or routed unlike the first)."""
     if isinstance(spec, str):
-        warn_once(f"trace-skip:{spec}", f"oea: layer {layer_id} is not recorded: {spec}")
+        warn_once(f"trace-skip:{spec}", f"layer {layer_id} is not recorded: {spec}")
         return None
     plain = replace(spec, correction_bias=None)
     if TRACE.recorder is None:
         settings = TRACE.settings
         assert settings is not None
-        path = rank_path(settings.path, _rank())
+        path = rank_path(settings.path, process_rank())
         staging = StepStaging(_capacity(), spec.num_experts, router_logits.device)
         TRACE.recorder = open_recorder(settings, path, plain, staging, _meta(path, settings), log)
         if TRACE.recorder is None:
@@ -123,8 +119,8 @@ def _add_layer(layer_id: Any, router_logits: torch.Tensor, spec: RouterSpec | st
         TRACE.spec = plain
         log.info("oea: recording %s of decode forwards to %s", f"{settings.sample:.0%}", path)
     assert TRACE.spec is not None
-    if any(getattr(plain, name) != getattr(TRACE.spec, name) for name in SPEC_FIELDS):
-        warn_once("trace-mixed", f"oea: layer {layer_id} routes unlike the first recorded layer; not recorded")
+    if not routes_alike(plain, TRACE.spec):
+        warn_once("trace-mixed", f"layer {layer_id} routes unlike the first recorded layer; not recorded")
         return None
     slot = TRACE.recorder.staging.add_layer(spec.correction_bias)
     TRACE.recorder.meta.setdefault("layer_ids", []).append(layer_id)
@@ -146,7 +142,7 @@ def _submit(forward_batch: Any) -> None:
             raise ValueError(f"{rows} rows, {len(rids)} request ids, {len(positions)} sequence lengths")
         recorder.submit_step(TRACE.step, rows, list(rids), positions)
     except Exception as err:
-        warn_once("trace-rows", f"oea: cannot read a decode batch's requests ({type(err).__name__}: {err}); "
+        warn_once("trace-rows", f"cannot read a decode batch's requests ({type(err).__name__}: {err}); "
                                 "such forwards are not recorded")
 
 
@@ -154,22 +150,12 @@ def _meta(path: str, settings: TraceSettings) -> dict[str, Any]:
     from oea.config import settings_from_env
     from oea.integrations.sglang.targets import engine_version
 
-    cfg = settings_from_env().oea
-    return {
-        "name": os.path.basename(path).removesuffix(".safetensors"),
-        "model": _model_path(),
-        "source": f"recorded from an SGLang {engine_version()} server by the oea plugin (OEA_TRACE_FILE)",
-        "licence": "not stated (recorded from the server's own traffic)",
-        "kind": "engine decode steps",
-        "notes": [
-            "DECODE forwards only (prefill/extend is never recorded); rows are the batch's real rows",
-            f"OEA was {f'on (OEA_K0={cfg.k0})' if cfg is not None else 'off'} while recording; the router's "
-            "logits are recorded before any rewrite, so every policy replays from them",
-            "positions: each token's position in its sequence (seq_lens - 1); step_ids: this process's count of "
-            "decode forwards; oea simulate --mode lockstep replays each recorded forward as SGLang batched it",
-            f"OEA_TRACE_SAMPLE={settings.sample:g}: that share of decode forwards, drawn at random",
-        ],
-    }
+    return recording_meta(path, f"an SGLang {engine_version()} server", _model_path(), settings_from_env().oea,
+                          settings, [
+        "DECODE forwards only (prefill/extend is never recorded); rows are the batch's real rows",
+        "positions: each token's position in its sequence (seq_lens - 1); step_ids: this process's count of "
+        "decode forwards; oea simulate --mode lockstep replays each recorded forward as SGLang batched it",
+    ])
 
 
 def _capacity() -> int:
@@ -192,10 +178,3 @@ def _model_path() -> str:
         return "unknown"
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
-        else 0

@@ -12,21 +12,32 @@ a forward pass.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+import oea.integrations.sglang.metrics as metrics
 import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
+from oea.config import layer_configs
+from oea.integrations.sglang.fillers import distinct_fillers
 from oea.integrations.sglang.placement import ep_config
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
-from oea.integrations.sglang.state import PHASE, STATE, decode_active, log, warn_once
+from oea.integrations.sglang.state import PHASE, STATE, decode_active, warn_once
 from oea.kernels import route_fast
-from oea.routing import OEAConfig, RouterSpec, route
+from oea.routing import (
+    LayerConfigs,
+    OEAConfig,
+    RouterSpec,
+    keeps_every_top_k,
+    route,
+    splice_routed_columns,
+    unsupported_layer_message,
+)
 
 
 def rewrite_topk(
@@ -67,25 +78,34 @@ def rewrite_topk(
         return None
     fast = route if torch.compiler.is_compiling() else route_fast  # numba on CPU, Triton on CUDA
     ids, weights = fast(router_logits, spec, cfg, valid)
-    rerouted = torch.ones(m, dtype=torch.bool, device=router_logits.device) if valid is None else valid
+    rerouted = valid
     if valid is not None and cfg.min_batch > 1:
-        rerouted = rerouted & (valid.sum() >= cfg.min_batch)
-    routed_ids = torch.where(rerouted[:, None], ids.to(topk_ids.dtype), topk_ids[:, :k])
-    routed_weights = torch.where(rerouted[:, None], weights.to(topk_weights.dtype), topk_weights[:, :k])
-    if topk_ids.shape[1] > k:
-        routed_ids = torch.cat([routed_ids, topk_ids[:, k:]], dim=1)
-        routed_weights = torch.cat([routed_weights, topk_weights[:, k:]], dim=1)
-    return routed_ids, routed_weights
+        rerouted = valid & (valid.sum() >= cfg.min_batch)
+    return splice_routed_columns(topk_ids, topk_weights, ids, weights, rerouted)
 
 
 def select_experts_before(*args: Any, **kwargs: Any) -> None:
     """BEFORE ``select_experts``: remember whether this call routes with a per-token bias."""
     PHASE.dynamic_bias = kwargs.get("dynamic_expert_bias") is not None
+    metrics.call_started()
     return None
 
 
 def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """BEFORE ``_post_process_topk_ids(**kw)``: replace the routed ids/weights in DECODE forwards."""
+    """BEFORE ``_post_process_topk_ids(**kw)``: replace the routed ids/weights in DECODE forwards; with
+    ``OEA_METRICS_FILE``, count every call (``metrics.layer_routed``)."""
+    if metrics.METRICS.writer is None or args:
+        return _rewrite(args, kwargs)
+    start = time.perf_counter()
+    changed = _rewrite(args, kwargs)
+    elapsed_us = (time.perf_counter() - start) * 1e6
+    result = None if changed is None else (changed[1]["topk_ids"], changed[1]["topk_weights"])
+    metrics.layer_routed(kwargs, result, elapsed_us)
+    return changed
+
+
+def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``post_process_before``'s rewrite: the new call arguments, or None (SGLang's routing kept)."""
     if not STATE.rewrite_hook_seen:
         STATE.rewrite_hook_seen = True
         if not STATE.phase_hook_seen and STATE.settings is not None:
@@ -110,22 +130,27 @@ def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dic
         topk_config = kwargs["topk_config"]
         router_logits = kwargs["router_logits"]
         spec = _spec_for(topk_config, router_logits.shape[1])
+        layer_id = kwargs.get("layer_id")
         if isinstance(spec, str):
-            warn_once(f"unsupported:{spec}", f"layer {kwargs.get('layer_id')}: {spec}; passing through "
-                                             "(further layers with this routing: silently)")
+            warn_once(f"unsupported:{spec}", unsupported_layer_message(layer_id, spec)
+                      + " (further layers with this routing: silently)")
             return None
-        cfg = ep_config(_layer_config(settings.oea, spec, kwargs.get("layer_id")), spec.num_experts,
-                        kwargs.get("layer_id"), router_logits.device)  # OEA_POLICY=ep: SGLang's placement
+        cfg = _layer_config(settings.oea, router_logits.shape[0], layer_id)
+        if cfg is None:
+            return None
+        cfg = ep_config(cfg, spec.num_experts, layer_id, router_logits.device)  # OEA_POLICY=ep: SGLang's placement
+        if keeps_every_top_k(cfg, spec):
+            return None
         result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
                               padding.bound(router_logits, kwargs.get("num_token_non_padded")))
+        if result is not None:  # SGLang's native MoE miscounts a row's repeated ids (fillers.py)
+            result = distinct_fillers(result[0], result[1], spec.top_k, spec.num_experts)
     except UnsupportedRouting as why:
-        warn_once(f"unsupported:{why}", f"layer {kwargs.get('layer_id')}: {why}; passing through")
+        warn_once(f"unsupported:{why}", unsupported_layer_message(kwargs.get("layer_id"), str(why)))
         return None
     except Exception as err:  # never take the server down from inside a forward pass
-        key = f"error:{type(err).__name__}:{kwargs.get('layer_id')}"
-        if key not in STATE.warned:
-            STATE.warned.add(key)
-            log.exception("oea: routing rewrite failed on layer %s; passing through", kwargs.get("layer_id"))
+        warn_once.exception(f"error:{type(err).__name__}:{kwargs.get('layer_id')}",
+                            f"routing rewrite failed on layer {kwargs.get('layer_id')}; passing through")
         return None
     if result is None:
         return None
@@ -134,26 +159,32 @@ def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dic
     return args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}
 
 
-def _layer_config(default: OEAConfig, spec: RouterSpec, layer_id: int | None) -> OEAConfig:
-    """The per-layer config from ``OEA_LAYER_K0_FILE`` for ``layer_id``, else ``default`` (OEA_K0)."""
-    schedule = STATE.layer_schedule
-    if schedule is None:
+def _layer_config(default: OEAConfig, rows: int, layer_id: int | None) -> OEAConfig | None:
+    """The config of layer ``layer_id`` for a call of ``rows`` rows (``oea.routing.LayerConfigs``: its k0 and
+    ``min_batch`` from ``OEA_LAYER_K0_FILE``, by batch size where the file says), else ``default`` (OEA_K0).
+    None when the file has no entry for the layer: it keeps SGLang's routing, with one warning."""
+    configs = _layer_configs()
+    if configs.schedule is None:
         return default
-    if (schedule.num_experts, schedule.top_k) != (spec.num_experts, spec.top_k):
-        warn_once("layer-k0-model", f"OEA_LAYER_K0_FILE was calibrated for another model (num_experts "
-                                    f"{schedule.num_experts} vs {spec.num_experts}, top_k {schedule.top_k} vs "
-                                    f"{spec.top_k}); using OEA_K0={default.k0} for every layer")
-        return default
-    index = None if layer_id is None else schedule.index_of_layer_id(int(layer_id))
-    if index is None:
-        warn_once(f"layer-k0-missing:{layer_id}", f"layer {layer_id} is not in OEA_LAYER_K0_FILE; using "
-                                                  f"OEA_K0={default.k0} there")
-        return default
-    cached = STATE.layer_configs.get(index)
-    if cached is None:  # built once per layer, not on every routing call
-        cached = dataclasses.replace(default, k0=schedule.k0[index])
-        STATE.layer_configs[index] = cached
-    return cached
+    try:
+        index = STATE.layer_index[layer_id] if layer_id in STATE.layer_index else \
+            STATE.layer_index.setdefault(layer_id, configs.index(layer_id=layer_id))
+    except ValueError as err:
+        STATE.layer_index[layer_id] = None
+        warn_once(f"layer-k0-missing:{layer_id}", unsupported_layer_message(layer_id, str(err)))
+        return None
+    return None if index is None else configs.config(index, rows)
+
+
+def _layer_configs() -> LayerConfigs:
+    """``STATE.layers``, rebuilt when the settings were replaced (``install`` builds it at start-up, where a bad
+    file stops the process)."""
+    settings = STATE.settings
+    configs = STATE.layers
+    if configs is None or settings is None or configs.default is not settings.oea:
+        configs = STATE.layers = layer_configs(settings) if settings is not None else LayerConfigs(None)
+        STATE.layer_index.clear()
+    return configs
 
 
 def _record(kwargs: dict[str, Any]) -> None:
@@ -182,11 +213,11 @@ def _spec_for(topk_config: Any, num_experts: int) -> RouterSpec | str:
         spec: RouterSpec | str = router_spec_from_topk_config(
             topk_config, num_experts, scaling_fused=_scaling_fused(topk_config))
         if settings is not None and settings.oea is not None:
-            settings.oea.check(spec)
+            _layer_configs().check_router(spec)  # the settings must fit the router, as at vLLM's or transformers' start
     except UnsupportedRouting as why:
         spec = str(why)
-    except ValueError as err:  # k0 / max_experts larger than this router's top_k
-        spec = f"OEA_K0/OEA_MAX_EXPERTS do not fit this layer ({err})"
+    except ValueError as err:  # the settings do not fit this router: the words every adapter uses
+        spec = str(err)
     STATE.specs[id(topk_config)] = (topk_config, num_experts, spec)
     return spec
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from oea.config import EnvSettings
-from oea.routing import LayerK0Schedule, OEAConfig, RouterSpec
+from oea.integrations.runtime import WarnOnce
+from oea.routing import LayerConfigs, RouterSpec
 
 log = logging.getLogger("oea.integrations.sglang")
 
@@ -41,8 +42,8 @@ class State:
     phase_hook_seen: bool = False
     rewrite_hook_seen: bool = False
     rewrites: int = 0
-    layer_schedule: LayerK0Schedule | None = None
-    layer_configs: dict[int, OEAConfig] = dataclasses.field(default_factory=dict)
+    layers: LayerConfigs | None = None  # every layer's config per batch size (OEA_K0, OEA_LAYER_K0_FILE)
+    layer_index: dict[Any, int | None] = dataclasses.field(default_factory=dict)  # layer_id -> entry of the file
     # id(topk_config) -> (config, E, its RouterSpec or the reason it passes through)
     specs: dict[int, tuple[Any, int, RouterSpec | str]] = dataclasses.field(default_factory=dict)
     warned: set[str] = dataclasses.field(default_factory=set)
@@ -56,13 +57,7 @@ class State:
 
 
 STATE = State()  # one per process, never replaced (tests swap its fields)
-
-
-def warn_once(key: str, message: str) -> None:
-    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
-    if key not in STATE.warned:
-        STATE.warned.add(key)
-        log.warning("oea: %s", message)
+warn_once = WarnOnce(log, lambda: STATE.warned)  # a warning the first time its key is seen in this process
 
 
 def current_forward_mode() -> Any:

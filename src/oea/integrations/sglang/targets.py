@@ -99,3 +99,24 @@ def graph_capture_targets() -> list[str]:
     cuda = [t for t in (DECODE_GRAPH_CAPTURE_TARGET, GRAPH_CAPTURE_TARGET) if module_available(target_module(t))]
     cpu = [CPU_GRAPH_CAPTURE_TARGET] if module_available(target_module(CPU_GRAPH_CAPTURE_TARGET)) else []
     return cuda[:1] + cpu
+
+
+# The SGLang CUDA wheels whose source ``tests/engines/test_cuda_release_targets.py`` reads (with ``ast``, no
+# import): the ends of each hook-point range the plugin handles, and the tested release.
+CUDA_RELEASES = ("0.5.12", "0.5.13", "0.5.14", "0.5.22", "0.5.23")
+# Read on objects SGLang hands the hooks (beyond the parameters above): attributes of the CUDA graph runner
+# whose capture / replay preparation is hooked, of the forward batch, and of SGLang's expert location
+# metadata (OEA_POLICY=ep); and what the rewrite relies on happening after it inside _post_process_topk_ids
+# (the expert-location dispatch: logical -> physical ids).
+GRAPH_RUNNER_READS = ("raw_num_token", "capture_forward_mode", "device")
+FORWARD_BATCH_CLASS = f"{MODEL_EXECUTOR}.forward_batch_info.ForwardBatch"
+FORWARD_BATCH_READS = ("forward_mode", "input_ids")
+EXPERT_LOCATION_MODULE = "sglang.srt.eplb.expert_location"
+EXPERT_LOCATION_READS = ("ExpertLocationMetadata.physical_to_logical_map_cpu",
+                         "ExpertLocationMetadata.logical_to_rank_dispatch_physical_map",
+                         "ExpertLocationMetadata.ep_size",
+                         "ExpertLocationMetadata.num_local_physical_experts",
+                         "ExpertLocationMetadata.num_logical_experts", "ExpertLocationMetadata.update")
+EXPERT_LOCATION_FUNCTION = "get_global_expert_location_metadata"
+# 0.5.12-0.5.13 dispatch through _biased_grouped_topk_postprocess, which calls topk_ids_logical_to_physical
+POST_PROCESS_CALLS = ("topk_ids_logical_to_physical|_biased_grouped_topk_postprocess",)

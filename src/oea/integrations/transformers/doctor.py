@@ -36,7 +36,7 @@ def engine_version() -> str | None:
 
 def _self_test() -> str:
     """A tiny Qwen3-MoE: k0 = k keeps the logits, k0 = 1 activates fewer experts in every layer."""
-    from oea.models.testing import tiny_qwen3_moe
+    from oea.testing import tiny_qwen3_moe
 
     model = tiny_qwen3_moe()
     ids = torch.randint(0, 256, (8, 1), generator=torch.Generator().manual_seed(0))

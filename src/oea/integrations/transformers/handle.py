@@ -23,14 +23,17 @@ class OEAHandle:
     Attributes:
         layers: the hooked ``MoELayer`` list (index, name, router, spec).
         configs: the routing config per layer index (None = vanilla pass-through, still counted).
-        decode_only: reroute only decode steps (block input ``[B, 1, H]``).
+        decode_only: reroute only decode steps (block input ``[B, S, H]`` with ``S <= decode_tokens``).
+        decode_tokens: the most tokens per sequence a decode step runs (1; 1 + d for speculative verify steps).
     """
 
-    def __init__(self, layers: list[MoELayer], configs: dict[int, object | None], decode_only: bool) -> None:
+    def __init__(self, layers: list[MoELayer], configs: dict[int, object | None], decode_only: bool,
+                 decode_tokens: int = 1) -> None:
         self.layers = layers
         self.configs = configs
         self.decode_only = decode_only
-        self._state = _HandleState(decode_only)
+        self.decode_tokens = decode_tokens
+        self._state = _HandleState(decode_only, decode_tokens)
         self._hooks = {layer.index: _LayerHook(layer, configs[layer.index], self._state) for layer in layers}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._legacy: list[nn.Module] = []

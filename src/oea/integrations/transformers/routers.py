@@ -8,13 +8,14 @@ blocks route in the block's ``route_tokens_to_experts`` instead).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from oea.routing import RouterSpec
+from oea.routing import RouterSpec, unsupported_layer_message
 
 # Router classes whose math ``oea.route`` reproduces, grouped by family (transformers 5.19-5.24).
 # Softmax over all experts, top-k, renormalise when ``norm_topk_prob`` is set.
@@ -166,9 +167,12 @@ def _is_legacy(block: nn.Module, router: nn.Module) -> bool:
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     """Every MoE block of ``model``, in module order.
 
+    A block whose router OEA cannot reproduce keeps its own routing, with one ``RuntimeWarning`` per reason
+    (``oea.routing.unsupported_layer_message``), and is not listed.
+
     Raises:
-        ValueError: when no module has both a ``gate``/``router`` child and an ``experts`` child,
-            or when such a block's router class is not supported (the message names the class).
+        ValueError: when no module has both a ``gate``/``router`` child and an ``experts`` child, or when
+            no such block's router is supported (the message names the first block and its class).
     """
     found: list[tuple[str, nn.Module, str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -183,11 +187,17 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     numbers = [_layer_number(name) for name, *_ in found]
     if None in numbers or len(set(numbers)) != len(numbers):
         numbers = list(range(len(found)))
-    layers = []
+    layers, unsupported = [], {}
     for index, (name, block, router_name, router) in zip(numbers, found, strict=True):
         try:
             spec = spec_from_router(router, block)
         except ValueError as err:
-            raise ValueError(f"MoE block {name!r}: {err}") from None
+            unsupported.setdefault(str(err), name)
+            continue
         layers.append(MoELayer(int(index), name, block, router, router_name, spec, _is_legacy(block, router)))
+    if not layers:
+        reason, name = next(iter(unsupported.items()))
+        raise ValueError(f"MoE block {name!r}: {reason}")
+    for reason, name in unsupported.items():
+        warnings.warn(f"oea: {unsupported_layer_message(name, reason)}", RuntimeWarning, stacklevel=3)
     return layers

@@ -25,26 +25,20 @@ from torch import nn
 
 from oea.integrations.transformers.routers import LEGACY_ROUTE_METHOD, MoELayer
 from oea.kernels import route_fast
-from oea.routing import OEAConfig, RouterSpec, route, router_scores
+from oea.routing import OEAConfig, RouterSpec, keeps_every_top_k, route, router_scores, routing_difference
 
 # A layer's device counters, in this order: decode steps, rows, active experts (OEA), active experts
 # (the router's own picks), non-zero-weight slots.
 _NUM_COUNTERS = 5
 
 
-def keeps_every_top_k(cfg: object | None, spec: RouterSpec) -> bool:
-    """k0 >= top_k (and no lower cap): every token keeps its own top-k, so the router's output is kept as it
-    is (its tie order and weight rounding included: k0 = top_k gives exactly the model's tokens)."""
-    k0, cap = getattr(cfg, "k0", 0), getattr(cfg, "max_experts", None)
-    return isinstance(k0, int) and k0 >= spec.top_k and (cap is None or cap >= spec.top_k)
-
-
 class _HandleState:
     """Flags every hook of one handle reads."""
 
-    def __init__(self, decode_only: bool) -> None:
+    def __init__(self, decode_only: bool, decode_tokens: int = 1) -> None:
         self.enabled = True
         self.decode_only = decode_only
+        self.decode_tokens = decode_tokens  # a block input [B, S, H] with S <= this is a decode (verify) step
 
 
 class _LayerHook:
@@ -99,6 +93,9 @@ class _LayerHook:
         """
         decode = self.decode
         active = self.state.enabled and self.validated and self.cfg is not None and not self.keeps_own
+        # below min_batch rows the batch routes as vanilla: the router's own output itself, bit for bit
+        # (oea.route would return the same experts with its own rounding of the weights)
+        active = active and own_ids.shape[0] >= getattr(self.cfg, "min_batch", 0)
         rerouting = active and (decode or not self.state.decode_only)
         if not rerouting and not decode:
             return None
@@ -133,7 +130,7 @@ class _LayerHook:
     # -- hooks -------------------------------------------------------------------------------
     def block_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("hidden_states")
-        self.decode = isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == 1
+        self.decode = isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] <= self.state.decode_tokens
 
     def block_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.decode = False
@@ -187,35 +184,5 @@ class _LayerHook:
         ids, weights = self.reroute(logits, OEAConfig(k0=self.spec.top_k, min_batch=0))
         weights = weights.to(own_weights.dtype)
         select = router_scores(logits, self.current_spec()).select
-        return _routing_mismatch(own_ids, own_weights, ids, weights, select)
+        return routing_difference(own_ids, own_weights, ids, weights, select)
 
-
-def _routing_mismatch(
-    own_ids: torch.Tensor, own_weights: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-    select: torch.Tensor | None = None,
-) -> str | None:
-    """Compare two routings ``[M, k]`` ignoring slot order; a description of the first difference or None.
-
-    With the selection scores ``select`` [M, N], rows whose experts differ only among equal scores count as
-    equal (the router's ``topk`` breaks ties its own way, ``oea.route`` by the lower index); such rows
-    compare their weights as sorted values.
-    """
-    if own_ids.shape != ids.shape:
-        return f"shape {tuple(ids.shape)} != router's {tuple(own_ids.shape)}"
-    own_sorted, own_order = own_ids.sort(dim=-1)
-    new_sorted, new_order = ids.to(own_ids.dtype).sort(dim=-1)
-    differ = (own_sorted != new_sorted).any(dim=-1)
-    if bool(differ.any()):
-        untied = differ
-        if select is not None:
-            own_scores = select.gather(1, own_ids.long()).sort(dim=-1).values
-            new_scores = select.gather(1, ids.long()).sort(dim=-1).values
-            untied = differ & (own_scores != new_scores).any(dim=-1)
-        if bool(untied.any()):
-            return f"expert ids differ in {int(untied.sum())} of {ids.shape[0]} rows"
-    own_w = torch.where(differ[:, None], own_weights.sort(dim=-1).values, own_weights.gather(1, own_order)).float()
-    new_w = torch.where(differ[:, None], weights.sort(dim=-1).values, weights.gather(1, new_order)).float()
-    tol = 1e-5 if own_weights.dtype in (torch.float32, torch.float64) else 1e-2
-    if not torch.allclose(own_w, new_w, rtol=tol, atol=tol):
-        return f"weights differ by up to {(own_w - new_w).abs().max().item():.3g}"
-    return None

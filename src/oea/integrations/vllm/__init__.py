@@ -14,11 +14,18 @@ Extra variables read here: ``OEA_TIMING=1`` (time each routing call in the worke
 One job per file:
 
 * ``plugin.py``: ``register`` and the hooks it installs in vLLM's classes; model load (router numbering,
-  ``OEA_K0`` against each top_k, the decode flag);
-* ``steps.py``: decode or not, decided once per engine step from the ``SchedulerOutput``;
+  the settings checked against each router, the decode flag);
+* ``steps.py``: decode or not, decided once per engine step from the ``SchedulerOutput``, and the step's
+  ``OEA_METRICS_FILE`` record (``oea.integrations.metrics``);
 * ``routing.py``: the hot path, run in every routing call (the CPU custom op ``oea::cpu_route`` and the
   graph-safe wrapper of the other routers);
-* ``metrics.py``: the ``OEA_METRICS_FILE`` lines, written by a background thread;
+* ``layers.py``: each router's config per batch size (``oea.routing.LayerConfigs``: ``OEA_K0``,
+  ``OEA_LAYER_K0_FILE``);
+* ``placement.py``: ``OEA_POLICY=ep``, each layer's expert placement from vLLM's EP layout;
+* ``parallel.py``: data-parallel ranks whose router logits vLLM gathers (those layers stay stock);
+* ``recording.py``: ``OEA_TRACE_FILE``, the vLLM side of ``oea.integrations.recorder``;
+* ``speculative.py``: speculative verify steps (``OEA_APPLY_TO_VERIFY``): the drafts each request carried;
+* ``targets.py``: the vLLM names and parameters the plugin relies on (checked against the released wheels);
 * ``state.py``: the per-process state the others share;
 * ``doctor.py``: ``oea doctor vllm``.
 

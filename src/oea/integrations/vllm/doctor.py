@@ -9,12 +9,18 @@ from typing import Any
 
 import torch
 
-from oea.config import metrics_flush_interval, settings_from_env, timing_from_env, trace_settings_from_env
-from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version, same_routing
+from oea.config import (
+    layer_configs,
+    metrics_flush_interval,
+    settings_from_env,
+    timing_from_env,
+    trace_settings_from_env,
+)
+from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version
 from oea.integrations.vllm.placement import doctor_placement
 from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
 from oea.integrations.vllm.state import STATE
-from oea.routing import OEAConfig, active_experts, route
+from oea.routing import OEAConfig, active_experts, route, same_routing
 
 SUPPORTED_VERSIONS = ("0.32", "0.33")  # major.minor prefixes tested or read (docs/vllm.md)
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -53,11 +59,9 @@ def _check_environment() -> str:
         timing = timing_from_env()
         metrics_flush_interval()
         trace = trace_settings_from_env()
+        layer_configs(settings)  # the file readable, well-formed and set with OEA_K0, as register reads it
     except ValueError as err:  # the message names the variable
         raise RuntimeError(str(err)) from None
-    if settings.layer_k0_file and settings.oea is None:
-        raise RuntimeError(f"OEA_LAYER_K0_FILE={settings.layer_k0_file} is set but OEA_K0 is not: OEA is off, so the "
-                           "per-layer k0 are not used; set OEA_K0 to turn OEA on")
     if settings.oea is not None:
         mode = f"OEA on: k0={settings.oea.k0} min_batch={settings.oea.min_batch}"
         mode += " policy=ep (EP-aware OEA on vLLM's expert placement)" if settings.policy == "ep" else ""

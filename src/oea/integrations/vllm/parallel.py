@@ -31,7 +31,7 @@ def gathered_across_dp(rows: int) -> bool:
     gathered = _gathered(rows)
     _CACHE["value"] = (key, gathered)
     if gathered:
-        warn_once("dp-gathered", "oea: vLLM gathers the router logits of every data-parallel rank before routing "
+        warn_once("dp-gathered", "vLLM gathers the router logits of every data-parallel rank before routing "
                                  "(naive DP dispatch); ranks can be in different phases, so these layers keep "
                                  "vLLM's routing (OEA needs per-rank routing before dispatch under DP)")
     return gathered

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from oea.integrations.placement import EPLayerConfigs, describe_placement, placement_from_slots
+from oea.integrations.runtime import call_after
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.routing import EPOEAConfig, ExpertPlacement, OEAConfig, RouterSpec, max_device_active_experts, route
 
@@ -82,13 +83,13 @@ def setup(routers: list[tuple[int, Any, Any]]) -> None:
     if settings is None or settings.oea is None or settings.policy != "ep":
         return
     if settings.max_experts is not None:
-        warn_once("ep-max-experts", "oea: OEA_MAX_EXPERTS is not used by EP-aware OEA (OEA_POLICY=ep)")
+        warn_once("ep-max-experts", "OEA_MAX_EXPERTS is not used by EP-aware OEA (OEA_POLICY=ep)")
     for router_id, layer, router in routers:
         _LAYERS[router_id] = (layer, router)
         built = CONFIGS.build(router_id, settings.oea)
         name = getattr(router, "_oea_layer", router_id)
         if isinstance(built, str):
-            warn_once(f"ep:{built}", f"oea: OEA_POLICY=ep: layer {name} keeps plain OEA: {built}")
+            warn_once(f"ep:{built}", f"OEA_POLICY=ep: layer {name} keeps plain OEA: {built}")
         else:
             log.info("oea: EP-aware OEA on layer %s: %s", name, CONFIGS.details[router_id])
     install_rebalance_hook()
@@ -102,37 +103,14 @@ def config_for(router_id: int) -> Any:
     return STATE.settings.oea if STATE.settings is not None else None
 
 
-def refresh() -> list[str]:
-    """Reread every EP layer's placement (the engine rebalanced); logs what changed."""
-    changed = CONFIGS.refresh()
-    if changed:
-        log.info("oea: EPLB rebalanced; EP-aware OEA placements updated: %s", ", ".join(changed))
-    return changed
-
-
 def install_rebalance_hook() -> list[str]:
     """Wrap vLLM's EPLB map updates so that the placements are reread right after each one."""
     try:
         from vllm.distributed.eplb.eplb_state import EplbState
     except ImportError as err:
-        warn_once("eplb-import", f"oea: vLLM's EplbState not found ({err}); EP placements are read once at load")
+        warn_once("eplb-import", f"vLLM's EplbState not found ({err}); EP placements are read once at load")
         return []
-    wrapped = []
-    for name in EPLB_HOOKS:
-        original = EplbState.__dict__.get(name)
-        if original is None or getattr(original, "_oea_wrapped", False):
-            continue
-
-        def hooked(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            out = _original(self, *args, **kwargs)
-            if CONFIGS.configs:
-                refresh()
-            return out
-
-        hooked._oea_wrapped = True  # type: ignore[attr-defined]
-        setattr(EplbState, name, hooked)
-        wrapped.append(f"EplbState.{name}")
-    return wrapped
+    return [f"EplbState.{name}" for name in EPLB_HOOKS if call_after(EplbState, name, CONFIGS.refresh_if_built)]
 
 
 def _read(router_id: int) -> tuple[ExpertPlacement | None, str]:
@@ -140,7 +118,8 @@ def _read(router_id: int) -> tuple[ExpertPlacement | None, str]:
     return read_layer_placement(layer, router)
 
 
-CONFIGS = EPLayerConfigs(_read)
+CONFIGS = EPLayerConfigs(_read, log)
+refresh = CONFIGS.refresh  # reread every EP layer's placement (vLLM rebalanced); logs what changed
 
 
 def doctor_placement() -> str:

@@ -6,7 +6,7 @@
   ``routing.graph_wrapper`` (other devices), so OEA runs before routed-experts capture and the EPLB
   logical->physical mapping;
 * ``WorkerWrapperBase.execute_model``: ``steps.begin_step`` / ``steps.end_step`` around each engine step;
-* ``Worker.load_model``: ``_after_load`` numbers the model's routers, validates ``OEA_K0`` against each
+* ``Worker.load_model``: ``_after_load`` numbers the model's routers, checks the settings against each
   top_k, reads ``OEA_LAYER_K0_FILE`` (``layers.py``), warns once about layers it cannot rewrite, allocates
   the decode flag on the model's device, compiles the numba kernels and starts ``OEA_TRACE_FILE``'s recording;
 * ``FusedMoERouter.supports_monolithic_kernels`` (vLLM >= 0.33) reports False, so no monolithic kernel
@@ -24,32 +24,28 @@ import torch
 
 from oea.config import (
     TraceSettings,
-    check_k0_against,
-    layer_k0_schedule,
+    blank_note,
+    blank_variables,
+    layer_configs,
     metrics_flush_interval,
     settings_from_env,
     timing_from_env,
     trace_settings_from_env,
 )
+from oea.integrations.metrics import MetricsWriter
 from oea.integrations.recorder import trace_path_problem
+from oea.integrations.recording_common import writable_settings
+from oea.integrations.runtime import wrap_method
 from oea.integrations.vllm.layers import load as load_layer_k0
-from oea.integrations.vllm.metrics import MetricsWriter
 from oea.integrations.vllm.placement import setup as setup_ep_placements
 from oea.integrations.vllm.recording import start_recording
 from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper, oea_route_for
+from oea.integrations.vllm.speculative import read_speculation
 from oea.integrations.vllm.state import STATE, log, warn_once
-from oea.integrations.vllm.steps import begin_step, end_step
+from oea.integrations.vllm.steps import begin_step, end_step, unreadable_speculation
+from oea.integrations.vllm.targets import ROUTER_CLASSES, ROUTER_MODULE
 from oea.kernels import choose_impl, route_fast
-from oea.routing import RouterSpec
-
-ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router"
-# class name -> module (under ROUTER_MODULE) of the routers whose _compute_routing is wrapped.
-ROUTER_CLASSES: dict[str, str] = {
-    "CPURouter": "cpu_router",
-    "FusedTopKRouter": "fused_topk_router",
-    "FusedTopKBiasRouter": "fused_topk_bias_router",
-    "GroupedTopKRouter": "grouped_topk_router",
-}
+from oea.routing import RouterSpec, unsupported_layer_message
 
 
 def register() -> None:
@@ -63,8 +59,10 @@ def register() -> None:
     trace = _trace_settings()
     observed = settings.metrics_file or timing or trace is not None
     mode = "oea" if settings.oea is not None else ("observe" if observed else "off")
-    if settings.oea is not None:
-        layer_k0_schedule(settings)  # OEA_LAYER_K0_FILE readable and well-formed, else start-up stops naming it
+    layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0, else start-up stops naming it
+    blank = blank_note(blank_variables(os.environ))
+    if blank and not STATE.installed:  # OEA_K0= is read as unset: said, not silent
+        log.warning("oea: %s", blank)
     if mode == "off" or STATE.installed:
         return
     STATE.settings, STATE.mode, STATE.timing, STATE.trace_settings = settings, mode, timing, trace
@@ -78,13 +76,7 @@ def register() -> None:
 
 def _trace_settings() -> TraceSettings | None:
     """``OEA_TRACE_*`` (a malformed value stops start-up); an unwritable file is a warning: no recording."""
-    trace = trace_settings_from_env()
-    problem = None if trace is None else trace_path_problem(trace.path)
-    if problem is not None:
-        warn_once("trace-path", f"oea: OEA_TRACE_FILE={trace.path} cannot be written ({problem}); "  # type: ignore[union-attr]
-                                "serving without recording")
-        return None
-    return trace
+    return writable_settings(trace_settings_from_env(), log)
 
 
 def _process_title() -> str:
@@ -105,7 +97,7 @@ def install_hooks() -> list[str]:
         try:
             cls = getattr(importlib.import_module(f"{ROUTER_MODULE}.{module}"), name)
         except (ImportError, AttributeError) as err:
-            warn_once(f"class:{name}", f"oea: router class {name} not found ({err}); it is left stock")
+            warn_once(f"class:{name}", f"router class {name} not found ({err}); it is left stock")
             continue
         if name in STATE.originals or "_compute_routing" not in cls.__dict__:
             continue
@@ -135,31 +127,29 @@ def _wrap_worker() -> list[str]:
     from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    done = []
-    if not getattr(WorkerWrapperBase.execute_model, "_oea_wrapped", False):
-        original_execute = WorkerWrapperBase.execute_model
-
+    def around_step(original: Any) -> Any:
         def execute_model(self: Any, scheduler_output: Any) -> Any:
             begin_step(scheduler_output)
             try:
-                return original_execute(self, scheduler_output)
+                return original(self, scheduler_output)
             finally:
                 end_step()
 
-        execute_model._oea_wrapped = True  # type: ignore[attr-defined]
-        WorkerWrapperBase.execute_model = execute_model
-        done.append("WorkerWrapperBase.execute_model")
-    if not getattr(Worker.load_model, "_oea_wrapped", False):
-        original_load = Worker.load_model
+        return execute_model
 
+    def after_load(original: Any) -> Any:
         def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original_load(self, *args, **kwargs)
+            out = original(self, *args, **kwargs)
             STATE.model_runner = self.model_runner
             _after_load(self.model_runner.get_model())
             return out
 
-        load_model._oea_wrapped = True  # type: ignore[attr-defined]
-        Worker.load_model = load_model
+        return load_model
+
+    done = []
+    if wrap_method(WorkerWrapperBase, "execute_model", around_step):
+        done.append("WorkerWrapperBase.execute_model")
+    if wrap_method(Worker, "load_model", after_load):
         done.append("Worker.load_model")
     return done
 
@@ -226,29 +216,45 @@ def _after_load(model: torch.nn.Module) -> None:
             spec, reason = None, "monolithic MoE kernel (routes inside the kernel)"
         if spec is not None and type(router).__name__ not in STATE.originals:
             spec, reason = None, f"router class {type(router).__name__} is not wrapped"
-        if STATE.settings is not None and STATE.settings.oea is not None:
-            check_k0_against(STATE.settings.oea, int(router.top_k), _k0_variable())
         if spec is None:
-            warn_once(f"unsupported:{reason}", f"oea: layer {name} keeps stock routing: {reason}")
+            warn_once(f"unsupported:{reason}", unsupported_layer_message(name, reason))
         router._oea_router_id = len(STATE.routers)
         router._oea_layer = name
         STATE.routers.append(router)
         STATE.specs.append(spec)
         if spec is not None:
             rewritable.append((router._oea_router_id, module, router))
+    load_layer_k0(STATE.specs)  # OEA_K0, OEA_LAYER_K0_FILE: every router's config; fits the model or stops
     setup_ep_placements(rewritable)
-    load_layer_k0(STATE.specs)  # OEA_LAYER_K0_FILE: k0 per router (and batch size); fits the model or stops
+    STATE.speculation, problem = read_speculation(getattr(STATE.model_runner, "vllm_config", None))
+    if problem:
+        unreadable_speculation(problem)
     STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
     _warm_up_kernels(device)
     if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
-        STATE.metrics = MetricsWriter(STATE.settings.metrics_file, metrics_flush_interval())
+        problem = trace_path_problem(STATE.settings.metrics_file)  # the same test: a file this process writes
+        if problem is None:
+            STATE.metrics = MetricsWriter(STATE.settings.metrics_file, metrics_flush_interval(), log)
+        else:
+            warn_once("metrics-path", f"OEA_METRICS_FILE={STATE.settings.metrics_file} cannot be written "
+                                      f"({problem}); serving without metrics")
     if STATE.trace_settings is not None and STATE.recorder is None:
         start_recording(STATE.trace_settings, STATE.model_runner, device)
     supported = sum(s is not None for s in STATE.specs)
-    log.info("oea: %d MoE routers in the model, %d rewritable (mode=%s, pid=%d)", found, supported,
-             STATE.mode, os.getpid())
+    log.info("oea: %d MoE routers in the model, %d rewritable (mode=%s, pid=%d)%s", found, supported,
+             STATE.mode, os.getpid(), _speculation_note())
     if found == 0:
-        warn_once("no-routers", "oea: the model has no vLLM MoE router; nothing to rewrite")
+        warn_once("no-routers", "the model has no vLLM MoE router; nothing to rewrite")
+
+
+def _speculation_note() -> str:
+    """What the load log says about speculative decoding (nothing when it is off)."""
+    spec = STATE.speculation
+    if spec is None:
+        return ""
+    verify = STATE.settings is not None and STATE.settings.apply_to_verify and STATE.verify_readable
+    return (f"; speculative decoding {spec.method} with up to {spec.num_speculative_tokens} draft tokens: verify "
+            f"steps {'rewritten (OEA_APPLY_TO_VERIFY=1)' if verify else 'keep vLLM routing'}")
 
 
 def _warm_up_kernels(device: torch.device | None) -> None:
@@ -266,8 +272,3 @@ def _warm_up_kernels(device: torch.device | None) -> None:
         oea_route_for(spec, torch.zeros(2, spec.num_experts, dtype=dtype), None, router_id)
         route_fast(torch.zeros(2, spec.num_experts, dtype=dtype), spec, cfg)  # and the int64 one (GPU-less tools)
     log.info("oea: numba routing kernels ready in %.1f s", time.perf_counter() - started)
-
-
-def _k0_variable() -> str:
-    source = (STATE.settings.source or {}) if STATE.settings is not None else {}
-    return "SGLANG_OEA_K0" if "SGLANG_OEA_K0" in source else "OEA_K0"

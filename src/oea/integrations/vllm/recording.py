@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Any
 
@@ -21,44 +20,40 @@ import torch
 
 from oea.config import TraceSettings
 from oea.integrations.recorder import StepStaging, open_recorder, rank_path
-from oea.integrations.trace_file import SPEC_FIELDS
+from oea.integrations.recording_common import recording_meta
+from oea.integrations.runtime import process_rank
 from oea.integrations.vllm.state import STATE, log, warn_once
-from oea.routing import RouterSpec
+from oea.trace_schema import routes_alike
 
 
 def start_recording(settings: TraceSettings, model_runner: Any, device: torch.device | None) -> None:
     """Open this rank's recording for the routers ``_after_load`` numbered (a warning when it cannot)."""
     specs = [(i, s) for i, s in enumerate(STATE.specs) if s is not None]
     if not specs:
-        warn_once("trace-none", "oea: OEA_TRACE_FILE is set but no MoE router can be recorded; not recording")
+        warn_once("trace-none", "OEA_TRACE_FILE is set but no MoE router can be recorded; not recording")
         return
     first = replace(specs[0][1], correction_bias=None)
-    recorded = [(i, s) for i, s in specs if _routing(s) == _routing(first)]
+    recorded = [(i, s) for i, s in specs if routes_alike(s, first)]
     if len(recorded) < len(specs):
-        warn_once("trace-mixed", f"oea: {len(specs) - len(recorded)} MoE layers route differently from the first "
+        warn_once("trace-mixed", f"{len(specs) - len(recorded)} MoE layers route differently from the first "
                                  "and are left out of the recording")
     capacity = _max_rows(model_runner)
     staging = StepStaging(capacity, first.num_experts, device or "cpu", num_layers=len(recorded))
     staging.biases = [s.correction_bias for _, s in recorded]
-    path = rank_path(settings.path, _rank())
+    path = rank_path(settings.path, process_rank())
     cfg = STATE.settings.oea if STATE.settings is not None else None
-    meta = {
-        "name": os.path.basename(path).removesuffix(".safetensors"),
-        "model": str(getattr(getattr(model_runner, "model_config", None), "model", "unknown")),
-        "source": f"recorded from a vLLM {_vllm_version()} server by the oea plugin (OEA_TRACE_FILE)",
-        "licence": "not stated (recorded from the server's own traffic)",
-        "kind": "engine decode steps",
-        "layer_names": [STATE.routers[i]._oea_layer for i, _ in recorded],
-        "notes": [
-            "decode steps only (prefill is never recorded); rows are the step's real rows, padding left out",
-            f"OEA was {f'on (OEA_K0={cfg.k0})' if cfg is not None else 'off (observe mode)'} while recording; "
-            "the router's logits are recorded before any rewrite, so every policy replays from them",
-            "positions: each token's position in its sequence (prompt tokens and tokens generated before it); "
-            "step_ids: the worker's engine-step number (the 'step' of OEA_METRICS_FILE lines); "
-            "oea simulate --mode lockstep replays each recorded step as vLLM batched it",
-            f"OEA_TRACE_SAMPLE={settings.sample:g}: that share of decode steps, drawn at random",
-        ],
-    }
+    model = str(getattr(getattr(model_runner, "model_config", None), "model", "unknown"))
+    meta = recording_meta(path, f"a vLLM {_vllm_version()} server", model, cfg, settings, [
+        "decode steps only (prefill is never recorded); rows are the step's real rows, padding left out",
+        "positions: each token's position in its sequence (prompt tokens and tokens generated before it); "
+        "step_ids: the worker's engine-step number (the 'step' of OEA_METRICS_FILE lines); "
+        "oea simulate --mode lockstep replays each recorded step as vLLM batched it",
+    ])
+    meta["layer_names"] = [STATE.routers[i]._oea_layer for i, _ in recorded]
+    if STATE.speculation is not None and capacity > _max_rows_without_drafts(model_runner):
+        meta["notes"].append(f"speculative verify steps too (OEA_APPLY_TO_VERIFY=1, {STATE.speculation.method}, up "
+                             f"to {STATE.speculation.num_speculative_tokens} draft tokens): a request's rows in one "
+                             "step are its last sampled token and its drafts, at consecutive positions")
     recorder = open_recorder(settings, path, first, staging, meta, log)
     if recorder is None:
         return
@@ -91,7 +86,7 @@ def finish() -> None:
     try:
         requests, positions = _rows_of(scheduled)
     except Exception as err:  # an unexpected model runner: record nothing rather than disturb serving
-        warn_once("trace-rows", f"oea: cannot read the step's requests ({type(err).__name__}: {err}); decode steps "
+        warn_once("trace-rows", f"cannot read the step's requests ({type(err).__name__}: {err}); decode steps "
                                 "are not recorded")
         return
     STATE.recorder.submit_step(STATE.step, len(requests), requests, positions)
@@ -117,24 +112,18 @@ def _rows_of(scheduler_output: Any) -> tuple[list[str], list[int]]:
     return requests, positions
 
 
-def _routing(spec: RouterSpec) -> tuple[Any, ...]:
-    """What a trace's one spec holds (the correction bias is per layer)."""
-    return tuple(getattr(spec, name) for name in SPEC_FIELDS)
+def _max_rows_without_drafts(model_runner: Any) -> int:
+    """``max_num_seqs``: the largest decode step of one token per request."""
+    config = getattr(model_runner, "vllm_config", None)
+    return int(getattr(getattr(config, "scheduler_config", None), "max_num_seqs", None) or 256)
 
 
 def _max_rows(model_runner: Any) -> int:
     """The largest decode step: ``max_num_seqs`` (times 1 + speculative tokens when verify steps are recorded)."""
-    config = getattr(model_runner, "vllm_config", None)
-    seqs = getattr(getattr(config, "scheduler_config", None), "max_num_seqs", None) or 256
-    spec_config = getattr(config, "speculative_config", None)
-    drafts = getattr(spec_config, "num_speculative_tokens", 0) or 0
-    verify = STATE.settings is not None and STATE.settings.apply_to_verify
-    return int(seqs) * (1 + int(drafts) if verify else 1)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
-        else 0
+    seqs = _max_rows_without_drafts(model_runner)
+    drafts = STATE.speculation.num_speculative_tokens if STATE.speculation is not None else 0
+    verify = STATE.settings is not None and STATE.settings.apply_to_verify and STATE.verify_readable
+    return seqs * (1 + int(drafts) if verify else 1)
 
 
 def _vllm_version() -> str:

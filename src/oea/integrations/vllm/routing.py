@@ -24,13 +24,14 @@ from typing import Any
 import torch
 
 import oea.integrations.vllm.recording as recording
+from oea.integrations.metrics import routed_hash
+from oea.integrations.runtime import tracing
 from oea.integrations.vllm.layers import layer_config
-from oea.integrations.vllm.metrics import routed_hash
 from oea.integrations.vllm.parallel import gathered_across_dp
 from oea.integrations.vllm.placement import config_for
-from oea.integrations.vllm.state import STATE
+from oea.integrations.vllm.state import STATE, warn_once
 from oea.kernels import NumbaRouter, plan, route_fast
-from oea.routing import RouterSpec, active_experts, route
+from oea.routing import RouterSpec, active_experts, keeps_every_top_k, route, splice_routed_columns
 
 OP_NAME = "oea::cpu_route"
 GPU_OP_NAME = "oea::gpu_route"
@@ -77,13 +78,6 @@ def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor, c
             impl == "numba" and params is not None) else None
         cached = _CPU_ROUTERS[router_id] = (cfg, spec, kernel)
     return cached[2]
-
-
-def keeps_every_top_k(cfg: Any, spec: RouterSpec) -> bool:
-    """k0 >= top_k (and no lower cap): OEA keeps every token's own top-k, so vLLM's output is kept as it is
-    (its slot order and its weights' precision, e.g. the bf16 softmax of ``_softmax_topk``, included)."""
-    k0, cap = getattr(cfg, "k0", 0), getattr(cfg, "max_experts", None)
-    return k0 >= spec.top_k and (cap is None or cap >= spec.top_k)
 
 
 def router_config(router_id: int | None, rows: int) -> Any:
@@ -163,8 +157,28 @@ def define_cpu_op() -> None:
         return torch.empty_like(stock_weights), torch.empty_like(stock_ids)
 
 
+def keep_stock_after_error(router_id: int, err: Exception) -> None:
+    """A layer whose OEA routing raised keeps vLLM's routing from now on (one warning per layer): an engine
+    hook never takes the server down."""
+    STATE.failed_routers.add(router_id)
+    layer = getattr(STATE.routers[router_id], "_oea_layer", router_id) if router_id < len(STATE.routers) else router_id
+    warn_once(f"raised:{router_id}", f"layer {layer}: OEA's routing raised {type(err).__name__}: {err}; the layer "
+                                     "keeps vLLM's routing from now on, serving continues")
+
+
 def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_ids: torch.Tensor,
                     router_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``oea::cpu_route``'s body (``_cpu_route``) with vLLM's own routing as the answer when anything in it
+    raises: the layer then keeps stock routing (``keep_stock_after_error``)."""
+    try:
+        return _cpu_route(router_logits, stock_weights, stock_ids, router_id)
+    except Exception as err:  # never into vLLM's forward pass
+        keep_stock_after_error(router_id, err)
+        return stock_weights.clone(), stock_ids.clone()
+
+
+def _cpu_route(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_ids: torch.Tensor,
+               router_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Run by ``oea::cpu_route`` on every call: OEA in decode steps, else vLLM's own routing as computed
     in the (compiled) graph, passed through unchanged; then counters and timer.
 
@@ -178,7 +192,8 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
     if STATE.trace_step:
         recording.stage(router_id, router_logits)  # the router's own logits, before any rewrite
     cfg = router_config(router_id, rows)
-    rewrite = STATE.decode and cfg is not None and spec is not None and not keeps_every_top_k(cfg, spec)
+    rewrite = STATE.decode and cfg is not None and spec is not None and not keeps_every_top_k(cfg, spec) and \
+        router_id not in STATE.failed_routers
     start = time.perf_counter() if STATE.timing else 0.0
     valid = None
     if rewrite:
@@ -240,11 +255,6 @@ def _min_batch_reached(valid: torch.Tensor | None, rows: int, router_id: int) ->
     return valid.sum() >= min_batch
 
 
-def _tracing() -> bool:
-    """Inside a graph being compiled or captured (the decision must then live on the device)."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def graph_wrapper(original: Any) -> Any:
     """Replacement for GPU-side routers: stock routing, then OEA in decode steps.
 
@@ -258,32 +268,30 @@ def graph_wrapper(original: Any) -> Any:
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
         router_id = getattr(self, "_oea_router_id", None)
-        if STATE.recorder is not None and router_id is not None and (STATE.trace_step or _tracing()):
+        if STATE.recorder is not None and router_id is not None and (STATE.trace_step or tracing()):
             recording.stage(router_id, router_logits)  # captured into the graph: every replay fills the buffer
-        if STATE.mode != "oea" or router_id is None or STATE.specs[router_id] is None:
+        if STATE.mode != "oea" or router_id is None or STATE.specs[router_id] is None or \
+                router_id in STATE.failed_routers:
             return weights, ids
         spec = STATE.specs[router_id]
-        tracing = _tracing()
-        if (not tracing and not STATE.decode) or keeps_every_top_k(
+        capturing = tracing()
+        if (not capturing and not STATE.decode) or keeps_every_top_k(
                 router_config(router_id, router_logits.shape[0]), spec):
             return weights, ids
-        k = spec.top_k
         valid = _valid_rows(router_logits.shape[0])
         enough = _min_batch_reached(valid, router_logits.shape[0], router_id)
         if enough is False:  # a static row count below OEA_MIN_BATCH: nothing to do in this shape
             return weights, ids
-        new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id)  # the router's own (layer's) config
-        new_w, new_ids = new_w.to(weights.dtype), new_ids.to(ids.dtype)
+        try:
+            new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id)  # the router's own (layer's) config
+        except Exception as err:  # never into vLLM's forward pass (nor into a graph being captured)
+            keep_stock_after_error(router_id, err)
+            return weights, ids
         select = None if enough is True else enough  # [] bool on the device: real rows counted at run time
-        if tracing and STATE.decode_flag is not None:
+        if capturing and STATE.decode_flag is not None:
             select = STATE.decode_flag if select is None else STATE.decode_flag & select
-        if select is not None:
-            new_w = torch.where(select, new_w, weights[:, :k])
-            new_ids = torch.where(select, new_ids, ids[:, :k])
-        if weights.shape[1] > k:
-            new_w = torch.cat([new_w, weights[:, k:]], dim=1)
-            new_ids = torch.cat([new_ids, ids[:, k:]], dim=1)
-        return new_w, new_ids
+        spliced_ids, spliced_w = splice_routed_columns(ids, weights, new_ids, new_w, select)
+        return spliced_w, spliced_ids
 
     _compute_routing.__wrapped__ = original  # type: ignore[attr-defined]
     return _compute_routing

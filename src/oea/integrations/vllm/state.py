@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from oea.config import EnvSettings, TraceSettings
+from oea.integrations.metrics import MetricsWriter, StepRecord
 from oea.integrations.recorder import TraceRecorder
-from oea.integrations.vllm.metrics import MetricsWriter, StepRecord
-from oea.routing import RouterSpec
+from oea.integrations.runtime import WarnOnce
+from oea.routing import LayerConfigs, RouterSpec
 
 log = logging.getLogger("vllm.oea")
 
@@ -32,7 +33,9 @@ class State:
     record: StepRecord | None = None
     metrics: MetricsWriter | None = None
     warned: set[str] = field(default_factory=set)
-    layer_policies: list[Any] | None = None  # OEA_LAYER_K0_FILE (layers.py): per router, OEAConfig / AdaptiveK0Config
+    layers: LayerConfigs | None = None  # layers.py: every router's config per batch size (OEA_K0, OEA_LAYER_K0_FILE)
+    layer_index: dict[int, int | None] = field(default_factory=dict)  # router id -> entry of OEA_LAYER_K0_FILE
+    failed_routers: set[int] = field(default_factory=set)  # layers whose OEA routing raised: stock from then on
     # OEA_TRACE_FILE (recording.py): the recorder, router id -> recorded layer, this step recorded or not
     trace_settings: TraceSettings | None = None
     recorder: TraceRecorder | None = None
@@ -40,13 +43,10 @@ class State:
     trace_step: bool = False
     trace_scheduled: Any = None  # the recorded step's SchedulerOutput
     model_runner: Any = None  # the worker's model runner (its persistent batch orders the rows)
+    # speculative.py: vLLM's speculative-decoding settings (None: off), and whether its layout could be read
+    speculation: Any = None
+    verify_readable: bool = True
 
 
 STATE = State()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
-    if key not in STATE.warned:
-        STATE.warned.add(key)
-        log.warning(message)
+warn_once = WarnOnce(log, lambda: STATE.warned)  # a warning the first time its key is seen in this process

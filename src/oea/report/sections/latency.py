@@ -1,4 +1,5 @@
-"""Report sections: predicted MoE-layer latency of several deployments, and the roofline."""
+"""Report sections: predicted MoE-layer latency of several deployments, the whole decode step of the report's
+default model, and the roofline."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ DEPLOYMENTS: tuple[tuple[str, str, int, int], ...] = (
     ("glm-5", "rtx-pro-6000", 8, 1),
     ("deepseek-v3", "h200", 1, 8),
 )
+STEP_DEPLOYMENT: tuple[str, str, int, int] = DEPLOYMENTS[0]
+"""The report's default model (the bundled trace's) on its accelerator: the one whose whole decode step is shown."""
 
 
 def section_latency(ctx: ReportContext) -> str:
+    from oea.presets import get_gpu_preset
     from oea.report import plots
-    from oea.sim.presets import get_gpu_preset
     from oea.sim.roofline import TraceRef, roofline_from_table, table_from_rows
 
     s = ctx.sizes
@@ -71,8 +74,56 @@ def section_latency(ctx: ReportContext) -> str:
                  + [h for k0 in k0s for h in (f"OEA k0={k0} µs", f"gain k0={k0}")], _dedupe(summary)),
         "",
         ctx.plot(plots.latency_vs_batch(curves, ctx.out / "latency_vs_batch.png")),
+        "",
     ]
+    model, gpu, tp, ep = STEP_DEPLOYMENT
+    step_rows = [r for r in all_rows if (r["model"], r["gpu"], r["tp"], r["ep"]) == (model, gpu, tp, ep)]
+    ctx.results["latency_step"] = step_rows
+    lines += step_lines(step_rows, k0s)
     return "\n".join(lines)
+
+
+def step_lines(rows: list[dict[str, Any]], k0s: list[int]) -> list[str]:
+    """Markdown: the whole decode step (``oea.sim.step``'s ``step_*`` fields of ``roofline_from_table`` rows of
+    one deployment) beside the MoE layer's latency and gain, with the step model's assumptions."""
+    first = rows[0]
+    title = f"{first['model']} on {first['gpu']}" + (f" TP{first['tp']}" if first["tp"] > 1 else "")
+    lines = [f"### The whole decode step ({title})", ""]
+    if first["step_note"] is not None:
+        return [*lines, f"{first['step_note']}.", ""]
+    link = (f"the all-reduce over {first['interconnect']} ({first['interconnect_GBps']:g} GB/s, "
+            f"{first['interconnect_latency_us']:g} µs per all-reduce)" if first["tp"] > 1 else "no all-reduce (TP1)")
+    lines += [
+        "OEA shrinks only the routed experts' weight reads; what a TPOT measurement sees is the whole decode step "
+        "(`oea.sim.step`, the figures of `oea roofline`): per TP rank, summed over the layers, "
+        "step = L·(attention + KV cache) + L_dense·dense MLP + L_moe·(shared + routed experts) + 2·L·all-reduce "
+        "+ lm_head, so the step gain is about the routed experts' share of the step times the layer gain. "
+        f"Assumptions: {first['context_len']} cached tokens per request, {link}, datasheet peaks, memory and "
+        "compute times added (no overlap), a fixed per-layer cost for the routed experts only; norms, rotary, the "
+        "router's gate, sampling and the embedding lookup are not counted. Every one of these makes the rest of "
+        "the step shorter than on a real server, so the MoE share and the step gain are upper bounds.",
+        "",
+    ]
+    headers = ["B", "attention µs", "KV cache µs", "dense+shared MLP µs", "all-reduce µs", "lm_head µs",
+               "routed experts µs", "step µs (vanilla)", "MoE share"]
+    for k0 in k0s:
+        headers += [f"layer gain k0={k0}", f"step µs OEA k0={k0}", f"step gain k0={k0}"]
+    table = []
+    for r in rows:
+        cells: list[Any] = [r["batch_size"], f"{r['step_attention_us']:.0f}", f"{r['step_kv_cache_us']:.0f}",
+                            f"{r['step_dense_mlp_us'] + r['step_shared_experts_us']:.0f}",
+                            f"{r['step_all_reduce_us']:.0f}", f"{r['step_lm_head_us']:.0f}",
+                            f"{r['step_routed_experts_vanilla_us']:.0f}",
+                            format_interval(r["step_latency_vanilla_us"], r["step_latency_vanilla_us_ci"], 0),
+                            f"{100 * r['moe_share_of_step']:.0f}%"]
+        for k0 in k0s:
+            step_oea = r[f"step_latency_oea_k0_{k0}_us"]
+            cells += [_pct(r[f"predicted_gain_k0_{k0}"], r[f"predicted_gain_k0_{k0}_ci"]),
+                      None if step_oea is None else
+                      format_interval(step_oea, r[f"step_latency_oea_k0_{k0}_us_ci"], 0),
+                      _pct(r[f"predicted_step_gain_k0_{k0}"], r[f"predicted_step_gain_k0_{k0}_ci"])]
+        table.append(cells)
+    return [*lines, md_table(headers, table), ""]
 
 
 def _pct(value: float | None, ci: list[float] | None = None) -> str | None:

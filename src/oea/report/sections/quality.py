@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import time
 
-from oea.console import format_interval
+from oea.console import format_interval, format_p_value
 from oea.report.context import CORE_POLICIES, ReportContext, md_table
 
 
@@ -42,14 +42,15 @@ def section_quality(ctx: ReportContext) -> str:
         f"documents, ΔCE over per-document differences to vanilla (paired), T over decode steps.",
         "",
         f"Verdict: {VERDICT_RULE}; \"worse\" or \"better\" when the interval of ΔCE excludes 0, else \"no "
-        f"significant difference\". The paper's rule is shown beside it for comparison ({PAPER_RULE}): it "
+        f"significant difference\" (\"identical\" where every document's CE equals vanilla's: no test). "
+        f"The paper's rule is shown beside it for comparison ({PAPER_RULE}): it "
         f"ignores that both policies see the same documents and cannot detect losses smaller than the "
         f"document-to-document spread.",
         "",
         md_table(["policy", "k0", "B", "cross-entropy", "ΔCE vs vanilla", "p", "verdict (paired)", "paper rule",
                   "T", "T / vanilla"],
                  [[r["policy"], r["k0"], r["batch_size"], format_interval(r["cross_entropy"], r["cross_entropy_ci"], 3),
-                   format_interval(r["delta_ce"], r["delta_ce_ci"], 3, signed=True), f"{r['delta_p_value']:.2g}",
+                   format_interval(r["delta_ce"], r["delta_ce_ci"], 3, signed=True), format_p_value(r["delta_p_value"]),
                    r["verdict"], r["paper_verdict"],
                    format_interval(r["mean_active_experts"], r["mean_active_experts_ci"]),
                    format_interval(r["active_vs_vanilla"], r["active_vs_vanilla_ci"], 2)] for r in rows]),

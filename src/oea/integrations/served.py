@@ -1,0 +1,122 @@
+"""What a server's ``OEA_METRICS_FILE`` says about OEA while it served: ``oea doctor --metrics-file FILE``.
+
+The doctor's other checks run in its own interpreter: they prove the hooks *can* engage. Only the server
+knows whether they *did*. Its metrics file (one JSON line per decode or prefill forward per scheduler /
+worker process: ``decode``, ``oea``, ``rows``, ``active``, ``active_stock``, ``padding_rows``, ...; the format
+of ``docs/vllm.md`` / ``docs/sglang.md``) answers the questions a user with a ~0% gain has:
+
+* did OEA rewrite the decode forwards it should have (``rows`` >= min_batch)? "OEA engaged in N of M";
+* how many experts did those forwards load per layer, against the engine's own routing of the same logits
+  (``active`` vs ``active_stock``), each mean with its 95% interval;
+* how many decode forwards carried CUDA-graph padding rows (``padding_rows``): those rows keep the engine's
+  own ids, which its MoE kernel loads although no real token needs them.
+
+Engine-free: it reads the file only.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from oea.integrations.doctor_common import Check, check
+from oea.stats import mean_interval
+
+REQUIRED_FIELDS: tuple[str, ...] = ("decode", "oea", "rows", "active")
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The rows of a metrics file; ``ValueError`` naming the file, the line and what is wrong."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"--metrics-file {path}: no such file (the server writes it at OEA_METRICS_FILE once it "
+                         "has served a forward)")
+    rows = []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # a server still writing may leave its last line cut short
+                continue
+            raise ValueError(f"--metrics-file {path}: line {number} is not JSON ({err.msg})") from None
+        missing = [name for name in REQUIRED_FIELDS if not isinstance(row, dict) or name not in row]
+        if missing:
+            raise ValueError(f"--metrics-file {path}: line {number} lacks {missing} (an OEA_METRICS_FILE line has "
+                             f"{list(REQUIRED_FIELDS)})")
+        rows.append(row)
+    return rows
+
+
+def _mean(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1 or len(set(values)) == 1:
+        return f"{values[0]:.1f} (n={len(values)})"
+    found = mean_interval(values)
+    return f"{found.estimate:.1f} [{found.low:.1f}, {found.high:.1f}]"
+
+
+def engagement(rows: list[dict[str, Any]], min_batch: int) -> dict[str, Any]:
+    """Counts and means over the decode rows: ``decode_forwards``, ``eligible`` (>= ``min_batch`` real rows),
+    ``engaged`` (eligible and rewritten), per-layer-and-forward ``active`` / ``active_stock`` of the engaged
+    forwards (of the eligible ones while none engaged), ``padded`` forwards and their mean padding rows."""
+    decode = [r for r in rows if r["decode"]]
+    eligible = [r for r in decode if r["rows"] >= min_batch]
+    engaged = [r for r in eligible if r["oea"]]
+    counted = engaged or eligible
+    padded = [r for r in decode if r.get("padding_rows", 0) > 0]
+    return {
+        "decode_forwards": len(decode), "eligible": len(eligible), "engaged": len(engaged),
+        "ranks": sorted({r.get("rank", 0) for r in decode}),
+        "active": [float(a) for r in counted for a in r["active"]],
+        "active_stock": [float(a) for r in counted for a in r.get("active_stock", [])],
+        "padded": len(padded),
+        "padding_rows": [float(r["padding_rows"]) for r in padded],
+    }
+
+
+def served_checks(path: str | pathlib.Path, min_batch: int) -> list[Check]:
+    """The doctor's ``served`` block for one metrics file (fields in the module docstring)."""
+    try:
+        rows = read_metrics(path)
+    except ValueError as err:
+        return [check("metrics file", False, str(err))]
+    found = engagement(rows, min_batch)
+    decode, eligible, engaged = found["decode_forwards"], found["eligible"], found["engaged"]
+    checks = [check("metrics file", decode > 0,
+                    f"{path}: {len(rows)} forwards, {decode} decode on rank(s) {found['ranks']}" if decode else
+                    f"{path}: {len(rows)} forwards, none of them decode: send traffic that generates tokens")]
+    if not decode:
+        return checks
+    if not eligible:
+        checks.append(check("OEA engaged", False, f"no decode forward had >= {min_batch} real rows (min_batch): "
+                                                  f"nothing to engage on; serve at a concurrency >= {min_batch}"))
+    elif not engaged:
+        checks.append(check("OEA engaged", False, f"OEA engaged in 0 of {eligible} decode forwards with >= "
+                                                  f"{min_batch} real rows: the routing hook never rewrote a decode "
+                                                  "step (OEA_K0 unset on the server, or its decode detection never "
+                                                  "fired): run `oea doctor` in the server's environment"))
+    else:
+        rest = "" if engaged == eligible else (f"; the other {eligible - engaged} kept the engine's routing in at "
+                                               "least one layer (see the server log's `oea:` warnings)")
+        checks.append(check("OEA engaged", True, f"OEA engaged in {engaged} of {eligible} decode forwards with >= "
+                                                 f"{min_batch} real rows ({100 * engaged / eligible:.0f}%){rest}"))
+    if eligible:
+        stock = found["active_stock"]
+        ratio = f" = {sum(found['active']) / sum(stock):.2f}x" if stock and sum(stock) else ""
+        checks.append(check("active experts", True,
+                            f"per layer and decode forward{'' if engaged else ' (not rewritten)'}: "
+                            f"{_mean(found['active'])} vs the engine's own routing of the same logits "
+                            f"{_mean(stock)}{ratio}"))
+    if found["padded"]:
+        checks.append(check("padding rows", True,
+                            f"{found['padded']} of {decode} decode forwards carried CUDA-graph padding rows "
+                            f"(mean {_mean(found['padding_rows'])}); they keep the engine's own routing, and a MoE "
+                            "kernel that runs every row loads their experts although no real token needs them (not "
+                            "counted in `active`); capturing every decode batch size your traffic reaches avoids "
+                            "them (docs/sglang.md, 'Why the reference deployment measured ~0%')"))
+    return checks

@@ -1,0 +1,167 @@
+"""``OEA_METRICS_FILE`` for SGLang: the SGLang side of ``oea.integrations.metrics`` (rows as vLLM's).
+
+* ``configure`` (``register``): the file (kept when this process can write it, else one warning and no
+  metrics) and ``OEA_TIMING``;
+* ``forward`` (entered by the phase hooks around each forward): one ``StepRecord`` per outermost forward
+  (a forward context entered inside another is the same step). ``decode`` is true for the forwards OEA may
+  rewrite (DECODE, and TARGET_VERIFY with ``OEA_APPLY_TO_VERIFY=1``), ``verify`` for TARGET_VERIFY ones;
+  EXTEND / MIXED forwards give ``decode: false`` rows. After the forward the record goes to this process's
+  ``MetricsWriter`` (started by the first forward, so only processes that run the model write rows);
+* ``call_started`` (``routing.select_experts_before``) and ``layer_routed`` (``routing.post_process_before``,
+  every routing call): each MoE layer's ``active`` (distinct experts of the ids SGLang goes on with),
+  ``active_stock`` (of SGLang's own ids for the same logits, with ``OEA_K0`` set), ``routed`` hash and, with
+  ``OEA_TIMING=1``, ``routing_us``: SGLang's own top-k (``select_experts`` up to its post-processing) in the
+  calls OEA leaves alone, OEA's rewrite in the calls it replaces.
+
+Counts are over the call's real rows (``padding.bound``); appended shared-expert columns are not counted.
+Calls inside a graph capture or a compiled region are not counted (they run once per shape, not per
+forward: under CUDA-graph replay SGLang's routing never reaches Python, so such forwards write no row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import oea.integrations.sglang.padding as padding
+from oea.config import EnvSettings, metrics_flush_interval
+from oea.integrations.metrics import MetricsWriter, StepRecord, routed_hash
+from oea.integrations.recorder import trace_path_problem
+from oea.integrations.runtime import tracing
+from oea.integrations.sglang.specs import shared_topk_slots
+from oea.integrations.sglang.state import log, mode_rerouted, warn_once
+from oea.routing import active_experts
+
+
+@dataclass
+class _Metrics:
+    path: str | None = None  # OEA_METRICS_FILE when this process can write it
+    timing: bool = False  # OEA_TIMING
+    oea: bool = False  # OEA_K0 set: active_stock is counted, and a step is "oea" when every layer was rewritten
+    writer: MetricsWriter | None = None
+    record: StepRecord | None = None  # the open forward's record
+    step: int = 0  # forwards seen by this process
+    depth: int = 0  # forward contexts entered (only the outermost one is a step)
+    started: float = 0.0  # perf_counter at the current routing call's select_experts (OEA_TIMING)
+    first_layer: Any = None  # layer_id of the first MoE layer routed in a forward (counts rows outside forwards)
+
+
+METRICS = _Metrics()  # one per process, never replaced
+
+
+def configure(settings: EnvSettings, timing: bool) -> None:
+    """Start-up: the metrics file (when this process can write it; else one warning, serving goes on without
+    metrics) and ``OEA_TIMING``."""
+    METRICS.timing, METRICS.oea = timing, settings.oea is not None
+    METRICS.path = settings.metrics_file or None
+    if METRICS.path is not None:
+        problem = trace_path_problem(METRICS.path)  # the same test as a trace: a file this process appends to
+        if problem is not None:
+            log.warning("oea: OEA_METRICS_FILE=%s cannot be written (%s); serving without metrics",
+                        METRICS.path, problem)
+            METRICS.path = None
+
+
+def observing() -> bool:
+    """Whether the routing calls of this thread's current forward are counted."""
+    return METRICS.record is not None
+
+
+@contextlib.contextmanager
+def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
+    """Around one forward of ``forward_batch`` in ``mode`` (a ``ForwardMode``): its metrics row."""
+    if METRICS.path is None or METRICS.depth or tracing():
+        METRICS.depth += 1
+        try:
+            yield
+        finally:
+            METRICS.depth -= 1
+        return
+    if METRICS.writer is None:
+        METRICS.writer = MetricsWriter(METRICS.path, metrics_flush_interval(), log)
+    METRICS.step += 1
+    METRICS.record = StepRecord(decode=mode_rerouted(mode), oea=METRICS.oea, verify=_holds(mode, "is_target_verify"),
+                                outside_rows=METRICS.writer.outside_rows,
+                                tokens_per_request=_tokens_per_request(forward_batch, mode))
+    METRICS.writer.outside_rows = 0
+    METRICS.depth += 1
+    try:
+        yield
+    finally:
+        METRICS.depth -= 1
+        record, METRICS.record = METRICS.record, None
+        if record is not None and record.active:  # a forward that routed (an idle batch routes nothing)
+            METRICS.writer.add(METRICS.step, record)
+
+
+def call_started() -> None:
+    """``select_experts`` begins (``OEA_TIMING``: SGLang's own top-k is timed from here)."""
+    if METRICS.timing and METRICS.record is not None:
+        METRICS.started = time.perf_counter()
+
+
+def layer_routed(kwargs: dict[str, Any], result: tuple[torch.Tensor, torch.Tensor] | None, rewrite_us: float) -> None:
+    """One routing call: ``kwargs`` are ``_post_process_topk_ids``' (SGLang's [M, k + s] ids and weights),
+    ``result`` the ids and weights OEA replaced them with (None: SGLang's kept), ``rewrite_us`` OEA's time.
+    Rows past the call's real-row count (``padding.bound``) are padding, never counted. Never raises into
+    SGLang."""
+    record = METRICS.record
+    try:
+        if record is None:
+            if METRICS.writer is not None and METRICS.depth == 0 and \
+                    kwargs.get("layer_id") == METRICS.first_layer:  # once per forward-less pass (warm-up)
+                METRICS.writer.outside_rows += int(kwargs["router_logits"].shape[0])
+            return
+        if tracing():
+            return
+        stock_us = (time.perf_counter() - METRICS.started) * 1e6 if METRICS.timing else 0.0
+        layer = kwargs.get("layer_id")
+        if not record.active and METRICS.first_layer is None:
+            METRICS.first_layer = layer
+        key = len(record.active) if layer is None else int(layer)
+        ids, weights = kwargs["topk_ids"], kwargs["topk_weights"]
+        routed_k = int(kwargs["topk_config"].top_k) - shared_topk_slots(kwargs["topk_config"])
+        rows = ids.shape[0]
+        valid_rows = padding.bound(kwargs["router_logits"], kwargs.get("num_token_non_padded"))
+        valid = None if valid_rows is None else torch.arange(rows, device=ids.device) < valid_rows
+        stock_ids, stock_weights = ids[:, :routed_k], weights[:, :routed_k]
+        new_ids, new_weights = (stock_ids, stock_weights) if result is None else \
+            (result[0][:, :routed_k], result[1][:, :routed_k])
+        record.rows = rows if valid is None else int(valid.sum())
+        record.padding_rows = rows - record.rows
+        record.oea = record.oea and result is not None
+        record.routed[key] = routed_hash(new_ids, new_weights, valid)
+        record.active[key] = active_experts(new_ids, new_weights, valid)
+        if METRICS.oea:  # counted from SGLang's own output on every call, so a wrongly rewritten forward shows
+            record.active_stock[key] = active_experts(stock_ids, stock_weights, valid)
+        if METRICS.timing:
+            record.routing_us[key] = rewrite_us if result is not None else stock_us
+    except Exception as err:  # never into SGLang's forward pass
+        warn_once(f"metrics-error:{type(err).__name__}", f"metrics of a routing call failed ({type(err).__name__}: "
+                                                         f"{err}); such calls are not counted, serving continues")
+
+
+def _holds(mode: Any, name: str) -> bool:
+    predicate = getattr(mode, name, None)
+    return bool(predicate()) if callable(predicate) else False
+
+
+def _tokens_per_request(forward_batch: Any, mode: Any) -> list[int] | None:
+    """The tokens each request runs in this forward, in the batch's order (None when the batch does not say):
+    1 in DECODE, its draft tokens in TARGET_VERIFY, its prompt chunk in EXTEND."""
+    try:
+        size = int(getattr(forward_batch, "batch_size", 0) or 0)
+        if _holds(mode, "is_decode"):
+            return [1] * size
+        if _holds(mode, "is_target_verify"):
+            drafts = getattr(getattr(forward_batch, "spec_info", None), "draft_token_num", None)
+            return None if drafts is None else [int(drafts)] * size
+        lengths = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        return None if lengths is None else [int(n) for n in lengths]
+    except Exception:  # a batch shaped unlike SGLang's: the row just lacks the field
+        return None

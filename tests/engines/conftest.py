@@ -1,0 +1,77 @@
+"""The live SGLang servers of the ``test_sglang_server*`` modules, started once for all of them.
+
+``sglang_servers`` (session scope) starts every server the modules of the session need together
+(``sglang_server.server_arms``: the embedded model OEA off / ``OEA_K0`` = top_k / ``OEA_K0=3`` with its trace
+and metrics file / ``SGLANG_OEA_K0=3`` / ``OEA_K0=9`` / a bad ``OEA_K0``, and a tiny GLM-4.5-MoE checkpoint
+off / k0 = top_k / k0 = 2 for the sigmoid module), so their start-ups overlap once instead of once per module,
+and one ``OEA_K0=3`` server serves both the behaviour and the recording checks. The servers are stopped by
+their process groups right after the last test that uses them (``pytest_runtest_teardown``), on SIGTERM
+(``server_harness.stopping_servers``), and at the end of the session in any case.
+
+``sglang_k0_3_served`` sends the ``OEA_K0=3`` server all its traffic (two rounds of the 16 prompts together,
+then three prompts one at a time), stops it (SIGTERM: the recorder finishes its trace) and hands the tests
+what it answered and left: answers, metrics rows, trace, log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_harness import stopping_servers
+
+SERVERS_FIXTURE = "sglang_servers"
+_LIVE: dict[str, Any] = {}  # the started servers (name -> sglang_server.Live), while they run
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[dict[str, Any]]:
+    from sglang_server import server_arms, start_all, stop_all
+
+    work = tmp_path_factory.mktemp("sglang_server")
+    modules = {test.module.__name__ for test in request.session.items  # the servers of the modules selected
+               if SERVERS_FIXTURE in getattr(test, "fixturenames", ()) and getattr(test, "module", None)}
+    with stopping_servers() as held:
+        started = start_all(server_arms(work, modules), work, expect_failure=("bad",))
+        held.update({name: live.server for name, live in started.items()})
+        _LIVE.update(started)
+        try:
+            yield started
+        finally:
+            stop_all(started.values())
+            _LIVE.clear()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the shared SGLang servers once no later test of the session uses them (the engine tests that
+    follow should not share the machine with them)."""
+    if not _LIVE:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:] if item in items else []
+    if not any(SERVERS_FIXTURE in getattr(test, "fixturenames", ()) for test in later):
+        from sglang_server import stop_all
+
+        stop_all(_LIVE.values())
+        _LIVE.clear()
+
+
+@pytest.fixture(scope="session")
+def sglang_k0_3_served(sglang_servers: dict[str, Any]) -> dict[str, Any]:
+    import sglang_server as sg
+
+    from oea.launch.sglang_server import stop_server
+
+    live = sglang_servers["k0_3"]
+    answers = [a for _ in range(sg.K0_3_ROUNDS) for a in sg.generate(live.url, sg.PROMPTS, sg.K0_3_TOKENS)]
+    one_by_one = sg.generate_one_by_one(live.url, sg.PROMPTS[:sg.ONE_BY_ONE], sg.ONE_BY_ONE_TOKENS)
+    time.sleep(2.0)  # the metrics writer flushes every 0.5 s
+    code = stop_server(live.server, grace=60.0)  # SIGTERM to the group; SIGKILL only after 60 s
+    assert live.trace_path is not None
+    return {"answers": answers, "one_by_one": one_by_one,
+            "metrics": sg.read_jsonl(Path(live.arm.env["OEA_METRICS_FILE"])), "trace_path": live.trace_path,
+            "log": live.log(), "exit": code}

@@ -1,0 +1,60 @@
+"""``oea.launch.server_process``, the engine-free launcher every engine's server goes through: a health wait that
+runs out names the setting that sets it, and ``stop_server`` leaves no process of the group behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from server_harness import free_port
+
+from oea.launch.server_process import env_arm, option, start_process, stop_server, wait_healthy
+
+
+def test_health_timeout_names_its_setting_and_the_group_is_stopped(tmp_path: Path) -> None:
+    child = tmp_path / "child.pid"
+    code = ("import os, subprocess, sys, time; print('still loading', flush=True); "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    server = start_process([sys.executable, "-c", code], {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                           f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "log", name="Fake server")
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)^Fake server at .* not healthy after 1 s \(--health-timeout\)"
+                                               r".*still loading"):
+            wait_healthy(server, timeout=1.0, poll=0.1, timeout_name="--health-timeout")
+        deadline = time.monotonic() + 20
+        while not child.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(child.read_text())
+    finally:
+        stop_server(server, grace=5.0)
+    assert server.process.poll() is not None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the server's child outlived stop_server")
+
+
+def test_option_reads_both_spellings_and_the_last_one_wins_as_argparse_does() -> None:
+    assert option(["--port", "1", "--host=h"], "--host") == "h"
+    assert option(["--port", "1", "--port=2"], "--port") == "2"
+    assert option(["--portx", "1"], "--port") is None
+
+
+def test_an_env_arm_is_a_name_and_shell_split_assignments_and_its_errors_name_the_flag() -> None:
+    assert env_arm("off=", "--arm") == ("off", {})
+    assert env_arm("k3=OEA_K0=3 OEA_NOTE='a b' X==y", "--arm") == ("k3", {"OEA_K0": "3", "OEA_NOTE": "a b", "X": "=y"})
+    with pytest.raises(ValueError, match=r"^--serve-arm must be NAME=ENV .*got 'noequals'$"):
+        env_arm("noequals", "--serve-arm")
+    with pytest.raises(ValueError, match=r"^--arm a: expected VAR=VALUE, got '=3'$"):
+        env_arm("a==3", "--arm")

@@ -1,0 +1,52 @@
+"""``oea.integrations.sglang.fillers.distinct_fillers``: OEA's repeated filler ids become distinct ids that the
+batch already runs, as SGLang's native MoE (which counts a row's experts with ``scatter_``) needs."""
+
+from __future__ import annotations
+
+import torch
+
+from oea.integrations.sglang.fillers import distinct_fillers
+from oea.routing import OEAConfig, RouterSpec, route
+
+
+def _scatter_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per-expert token counts as SGLang's moe_forward_native computes them (a row's repeat counts once)."""
+    cnts = ids.new_zeros((ids.shape[0], num_experts)).long()
+    cnts.scatter_(1, ids.long(), 1)
+    return cnts.sum(dim=0)
+
+
+def test_oea_routing_with_distinct_fillers_counts_every_slot_and_adds_only_the_experts_a_row_lacks() -> None:
+    torch.manual_seed(0)
+    spec = RouterSpec(num_experts=128, top_k=8, scoring="softmax", renormalize=True)
+    logits = torch.randn(2, 128)  # 2 tokens x k0 = 3: a union of at most 6, so each keeps fewer than 8 experts
+    ids, weights = route(logits, spec, OEAConfig(3, min_batch=1))
+    assert _scatter_counts(ids, 128).sum() < ids.numel(), "OEA's own fillers repeat ids (the case fixed here)"
+    new_ids, new_weights = distinct_fillers(ids, weights, 8, 128)
+    assert _scatter_counts(new_ids, 128).sum() == new_ids.numel()  # every slot counted: no slice shifts
+    union = set(ids.unique().tolist())
+    assert len(union) < 8  # a row cannot hold 8 distinct experts of the union: the lowest unused ids are shared
+    spare = [e for e in range(128) if e not in union][: 8 - len(union)]
+    assert set(new_ids.unique().tolist()) == union | set(spare)
+    assert torch.equal(new_weights.sum(dim=1), weights.sum(dim=1))
+    for row in range(2):  # each token's weighted experts are unchanged
+        before = {(i, w) for i, w in zip(ids[row].tolist(), weights[row].tolist(), strict=True) if w}
+        after = {(i, w) for i, w in zip(new_ids[row].tolist(), new_weights[row].tolist(), strict=True) if w}
+        assert before == after
+
+
+def test_repeats_take_experts_other_rows_run_before_unused_ones() -> None:
+    ids = torch.tensor([[4, 4, 4, 4], [4, 9, 2, 6]])
+    weights = torch.tensor([[1.0, 0, 0, 0], [0.25] * 4])
+    assert distinct_fillers(ids, weights, 4, 16)[0].tolist() == [[4, 2, 6, 9], [4, 9, 2, 6]]
+
+
+def test_rows_without_repeats_and_appended_columns_are_kept_and_a_lone_row_takes_unused_experts() -> None:
+    ids = torch.tensor([[3, 1, 3, 3, 8], [0, 1, 2, 5, 8], [7, 7, 7, 7, 8]], dtype=torch.int32)
+    weights = torch.tensor([[.5, .5, 0, 0, 1], [.25, .25, .25, .25, 1], [1, 0, 0, 0, 1]])
+    new_ids, new_weights = distinct_fillers(ids, weights, 4, 8)
+    assert new_ids.dtype == ids.dtype and new_weights.dtype == weights.dtype
+    assert new_ids.tolist() == [[3, 1, 0, 2, 8], [0, 1, 2, 5, 8], [7, 0, 1, 2, 8]]
+    assert torch.equal(new_weights, weights)
+    alone = torch.tensor([[5, 5, 5, 5]])
+    assert distinct_fillers(alone, torch.tensor([[1.0, 0, 0, 0]]), 4, 8)[0].tolist() == [[5, 0, 1, 2]]
