@@ -280,6 +280,26 @@ def test_a_request_the_engine_must_refuse_but_answers_is_a_failure(server: str) 
     assert not arm_checks("accepts", report)[0].held
 
 
+@pytest.mark.parametrize(("stream", "answer"),
+                         [(False, "[1]"), (False, "null"), (True, "data: [1]\n\ndata: [DONE]\n\n")])
+def test_an_answer_that_is_json_but_not_an_object_is_a_failure(stream: bool, answer: str) -> None:
+    import asyncio
+
+    import httpx
+
+    from oea.soak.client import send
+
+    request = next(r for r in make_mix(0, 200, "m", MAX_LEN) if r.plan == "complete" and r.stream == stream)
+
+    async def sent() -> Any:
+        transport = httpx.MockTransport(lambda _: httpx.Response(200, text=answer))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send(client, "http://127.0.0.1:1/v1/completions", request, 5.0)
+
+    out = asyncio.run(sent())
+    assert out.outcome == "failed" and "is not a JSON object: " in out.error, out
+
+
 def test_an_answer_finished_by_length_short_of_max_tokens_is_a_failure(server: str) -> None:
     FakeServer.short = True
     cfg = SoakConfig(requests=60, duration_s=60, warmup=0, max_concurrency=4, probe=False, settle_s=0.0)

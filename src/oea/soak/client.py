@@ -170,14 +170,31 @@ def _refused_or_failed(request: SoakRequest, out: Outcome, status: int, text: st
         out.error = f"HTTP {status}: {out.error}"[:300]
 
 
-def _finish_whole(request: SoakRequest, out: Outcome, text: str) -> None:
-    if request.plan == "refuse":
-        out.outcome, out.error = "failed", f"accepted a request the engine must refuse ({request.refusal})"
-        return
+def _accepted_a_refusal(request: SoakRequest, out: Outcome) -> bool:
+    """True (and ``out`` failed) when the engine accepted a request it must refuse: called on a 200 answer."""
+    if request.plan != "refuse":
+        return False
+    out.outcome, out.error = "failed", f"accepted a request the engine must refuse ({request.refusal})"
+    return True
+
+
+def _json_object(text: str, what: str, out: Outcome) -> dict[str, Any] | None:
+    """``text`` parsed as a JSON object; None (and ``out`` failed, naming ``what``) when it is not one."""
     try:
-        body = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError:
-        out.outcome, out.error = "failed", f"answer is not JSON: {text[:200]}"
+        value = None
+    if isinstance(value, dict):
+        return value
+    out.outcome, out.error = "failed", f"{what} is not a JSON object: {text[:200]}"
+    return None
+
+
+def _finish_whole(request: SoakRequest, out: Outcome, text: str) -> None:
+    if _accepted_a_refusal(request, out):
+        return
+    body = _json_object(text, "answer", out)
+    if body is None:
         return
     choices = _Choices()
     for choice in body.get("choices") or []:
@@ -206,8 +223,7 @@ async def _stream(client: Any, url: str, request: SoakRequest, out: Outcome, hea
         if resp.status_code != 200:
             _refused_or_failed(request, out, resp.status_code, (await resp.aread()).decode(errors="replace"))
             return
-        if request.plan == "refuse":
-            out.outcome, out.error = "failed", f"accepted a request the engine must refuse ({request.refusal})"
+        if _accepted_a_refusal(request, out):
             return
         if request.abort_after == 0:
             out.outcome = "aborted"  # hang up right after the headers: the request may still be queued
@@ -216,10 +232,8 @@ async def _stream(client: Any, url: str, request: SoakRequest, out: Outcome, hea
             if data == STREAM_DONE:
                 done = True
                 break
-            try:
-                event = json.loads(data)
-            except json.JSONDecodeError:
-                out.outcome, out.error = "failed", f"stream chunk is not JSON: {data[:200]}"
+            event = _json_object(data, "stream chunk", out)
+            if event is None:
                 return
             if "error" in event:
                 out.outcome, out.error = "failed", f"error in the stream: {_error_message(data)}"[:300]
