@@ -82,9 +82,10 @@ async def _soak(info: ServerInfo, cfg: SoakConfig, pgid: int | None, started: fl
         "requests": cfg.requests, "duration_s": cfg.duration_s, "seed": cfg.seed,
         "max_concurrency": cfg.max_concurrency, "warmup": cfg.warmup, "shares": cfg.shares.__dict__,
         "max_prompt_len": info.prompt_limit, "max_total_len": info.total_limit}}
-    ids = info.engine in ("vllm", "sglang")  # both return the output token ids (return_token_ids)
+    # Every request asks for its output token ids: both engines ``identify`` accepts (monitor.ENGINES) return
+    # them (return_token_ids), so that the probe compares outputs exactly and the judge counts tokens.
     lengths = {"max_prompt_len": info.prompt_limit, "max_total_len": info.total_limit}
-    warm = make_mix(cfg.seed + 1, cfg.warmup, info.model, info.max_model_len, cfg.shares, token_ids=ids, **lengths)
+    warm = make_mix(cfg.seed + 1, cfg.warmup, info.model, info.max_model_len, cfg.shares, token_ids=True, **lengths)
     warm_out, _ = await run_phases(info.base_url, [Phase(tuple(warm), cfg.max_concurrency)], deadline, cfg.timeout_s)
     report["warmup"] = tally(warm_out)
     await asyncio.sleep(cfg.settle_s)
@@ -92,10 +93,10 @@ async def _soak(info: ServerInfo, cfg: SoakConfig, pgid: int | None, started: fl
         report["memory_after_warmup"] = memory(pgid)
         report["pids_after_warmup"] = group_pids(pgid)
     if cfg.probe:
-        probes = [Phase((p,), 1) for p in probe_requests(info.model, token_ids=ids)]
+        probes = [Phase((p,), 1) for p in probe_requests(info.model, token_ids=True)]
         probe_out, _ = await run_phases(info.base_url, probes, deadline, cfg.timeout_s)
         report["probe"] = [o.as_row(keep_tokens=True) for o in probe_out]
-    requests = make_mix(cfg.seed, cfg.requests, info.model, info.max_model_len, cfg.shares, token_ids=ids, **lengths)
+    requests = make_mix(cfg.seed, cfg.requests, info.model, info.max_model_len, cfg.shares, token_ids=True, **lengths)
     phases = schedule(requests, cfg.max_concurrency, cfg.ramp_share, cfg.burst_idle_s)
     health, stop, samples = Health(), asyncio.Event(), []
     watchers = [asyncio.create_task(watch_health(info.base_url, health, stop))]
