@@ -270,6 +270,16 @@ def test_catalog_builds_every_policy():
         make_policy("lynx")
 
 
+@pytest.mark.parametrize(("config", "name"), [(BudgetConfig, "budget"), (SubtractiveConfig, "target")])
+def test_the_comparators_expert_count_is_checked_under_its_own_name(config: type, name: str) -> None:
+    assert config(5).expert_count == 5
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer >= 1, got {bad!r}$"):
+            config(bad)
+    with pytest.raises(ValueError, match=rf"^{name} must be <= num_experts, got {name}=9 and num_experts=8$"):
+        oea.route(torch.randn(4, 8), oea.RouterSpec(8, 2), config(9, min_batch=0))
+
+
 def test_beyond_policies_compile_fullgraph():
     torch._dynamo.reset()
     spec = oea.RouterSpec(64, 8)

@@ -14,6 +14,7 @@ difference with OEA. Shape legend: M rows, N experts, k top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,43 +24,45 @@ from oea.routing.scores import RouterScores
 from oea.routing.spec import RouterSpec
 
 
-def _require_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+class _ExpertCountConfig:
+    """What both methods' configs share: one batch-wide count of experts, in the field ``COUNT`` names; an
+    integer >= 1 when built, and at most the router's N when checked against one."""
+
+    COUNT: ClassVar[str]
+
+    @property
+    def expert_count(self) -> int:
+        """The batch-wide count of experts: ``budget`` or ``target``."""
+        return getattr(self, self.COUNT)
+
+    def __post_init__(self) -> None:
+        value = self.expert_count
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{self.COUNT} must be an integer >= 1, got {value!r}")
+
+    def check(self, spec: RouterSpec) -> None:
+        """The count must fit the router."""
+        if self.expert_count > spec.num_experts:
+            raise ValueError(f"{self.COUNT} must be <= num_experts, got {self.COUNT}={self.expert_count} and "
+                             f"num_experts={spec.num_experts}")
 
 
 @dataclass(frozen=True)
-class BudgetConfig:
+class BudgetConfig(_ExpertCountConfig):
     """XShare-like batch-wide budget of ``budget`` experts (re-implementation)."""
 
+    COUNT: ClassVar[str] = "budget"
     budget: int
     min_batch: int = 2
 
-    def __post_init__(self) -> None:
-        _require_positive("budget", self.budget)
-
-    def check(self, spec: RouterSpec) -> None:
-        """``budget`` must fit the router."""
-        if self.budget > spec.num_experts:
-            raise ValueError(f"budget must be <= num_experts, got budget={self.budget} and "
-                             f"num_experts={spec.num_experts}")
-
 
 @dataclass(frozen=True)
-class SubtractiveConfig:
+class SubtractiveConfig(_ExpertCountConfig):
     """Lynx-like: drop the least-used experts of the vanilla union down to ``target`` (re-implementation)."""
 
+    COUNT: ClassVar[str] = "target"
     target: int
     min_batch: int = 2
-
-    def __post_init__(self) -> None:
-        _require_positive("target", self.target)
-
-    def check(self, spec: RouterSpec) -> None:
-        """``target`` must fit the router."""
-        if self.target > spec.num_experts:
-            raise ValueError(f"target must be <= num_experts, got target={self.target} and "
-                             f"num_experts={spec.num_experts}")
 
 
 def _vanilla_mass(scores: RouterScores, vanilla_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

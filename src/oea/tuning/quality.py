@@ -26,7 +26,7 @@ def matched_t_quality(
 
     rows = evaluate(model, batch_sizes=[batch_size], k0s=list(k0s), policies=["vanilla", "pruned", "oea"],
                     **eval_options)
-    extra: list[tuple[str, object]] = []
+    extra: list[tuple[str, BudgetConfig | SubtractiveConfig]] = []
     for row in rows:
         if row["policy"] == "oea":
             target = max(1, round(row["mean_active_experts"]))
@@ -34,7 +34,7 @@ def matched_t_quality(
     more = evaluate(model, batch_sizes=[batch_size], k0s=[], policies=["vanilla"], extra_policies=extra,
                     **eval_options)
     for (_, cfg), row in zip(extra, [r for r in more if r["policy"] != "vanilla"], strict=True):
-        row["target_T"] = cfg.budget if isinstance(cfg, BudgetConfig) else cfg.target
+        row["target_T"] = cfg.expert_count
         rows.append(row)
     return rows
 
