@@ -17,13 +17,12 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, VLLM_PYTHON, server_env
+from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, server_args, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -35,12 +34,7 @@ HEALTH_TIMEOUT_S = 1200
 
 
 def _complete(port: int, prompt: str) -> list[str]:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
-                       "ignore_eos": True, "logprobs": 1}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.load(resp)["choices"][0]["logprobs"]["tokens"]
+    return complete(port, prompt, NEW_TOKENS, timeout=120, logprobs=True)["choices"][0]["logprobs"]["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             for name in wave:
                 model, extra = arms[name]
                 env = server_env(extra)
-                args = ["--model", str(model), "--served-model-name", "m", "--port", str(free_port()), "--dtype",
-                        "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0", "--enforce-eager"]
+                args = server_args(model, free_port(), max_model_len=512, max_num_seqs=4, extra=["--enforce-eager"])
                 servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
                                              cwd=workdir)
             for name in wave:

@@ -30,14 +30,13 @@ import pickle
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import VLLM_PYTHON
+from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args
 
 import oea
 
@@ -55,15 +54,7 @@ WAVES = (("off", "k8", "k2"),)  # started together within a wave; a wave stops b
 
 
 def _complete(port: int, prompt: str, max_tokens: int) -> str:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.load(resp)["choices"][0]["text"]
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return complete(port, prompt, max_tokens, timeout=300)["choices"][0]["text"]
 
 
 def _read_capture(folder: Path) -> list[dict]:
@@ -101,10 +92,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             for name in wave:
                 env = {**base, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "OEA_METRICS_FILE": str(work / f"{name}.jsonl"), **arms[name]}
-                args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port",
-                        str(free_port()), "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
-                        "--seed", "0", "--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes",
-                        str(128 * 2**20)]
+                args = server_args(embedded_model_dir(), free_port(), max_model_len=256, max_num_seqs=8,
+                                   extra=["--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes",
+                                          str(128 * 2**20)])
                 servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log",
                                              cwd=work)
             for name in wave:
@@ -122,7 +112,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 stop_server(servers[name])
         print(f"TP=2 arms done after {time.monotonic() - started:.0f} s", file=sys.stderr)
     for name in servers:
-        results[name].update(metrics=_read_jsonl(work / f"{name}.jsonl"),
+        results[name].update(metrics=read_jsonl(work / f"{name}.jsonl"),
                              log=(work / f"{name}.log").read_text(errors="replace"))
     results["k2"]["capture"] = _read_capture(work / "capture")
     return results

@@ -25,14 +25,13 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import VLLM_PYTHON, server_env
+from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args, server_env
 
 import oea
 from oea.config import write_layer_k0_file
@@ -54,16 +53,7 @@ PROMPTS = [f"{head}\n{body}" for head in ("def load(path):", "class Cache:", "fo
 
 
 def _complete(port: int, prompt: str) -> int:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return int(json.load(resp)["usage"]["completion_tokens"])
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return int(complete(port, prompt, TOKENS, timeout=300)["usage"]["completion_tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     # two compete for the cores while serving; each is stopped once exercised, which finishes its trace.
     with stopping_servers() as servers:
         for name, extra in arms.items():
-            args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port", str(free_port()),
-                    "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
+            args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16)
             servers[name] = start_server(args, server_env(extra), python=str(VLLM_PYTHON),
                                          log_path=work / f"{name}.log", cwd=work, nice=10)
         for server in servers.values():
@@ -105,7 +94,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                     completed += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # noqa: B023
             time.sleep(3.0)  # metrics are flushed every 0.5 s, the trace checkpointed 1 s after the last step
             stop_server(servers.pop(name))
-            results[name] = {"completed": completed, "metrics": _read_jsonl(Path(extra["OEA_METRICS_FILE"])),
+            results[name] = {"completed": completed, "metrics": read_jsonl(Path(extra["OEA_METRICS_FILE"])),
                              "trace_path": extra["OEA_TRACE_FILE"],
                              "log": (work / f"{name}.log").read_text(errors="replace")}
     return results

@@ -13,18 +13,16 @@ Phase 1 sends prompts one at a time (batch 1: deterministic outputs); phase 2 se
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, VLLM_PYTHON, server_env
+from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -53,24 +51,7 @@ def _model_dir(tmp_root: Path) -> Path:
 
 
 def _complete(port: int, prompt: str, max_tokens: int) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "logprobs": 1}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        choice = json.load(resp)["choices"][0]
-    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"]}
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _server_args(model: Path, port: int) -> list[str]:
-    return ["--model", str(model), "--served-model-name", "m", "--port", str(port), "--dtype", "bfloat16",
-            "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
+    return text_and_tokens(complete(port, prompt, max_tokens, timeout=120, logprobs=True))
 
 
 def _exercise(port: int) -> dict:
@@ -106,8 +87,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for name, extra in arms.items():
             env = server_env(extra)
             # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).
-            servers[name] = start_server(_server_args(model, free_port()) + extra_args.get(name, []), env,
-                                         python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log", cwd=workdir)
+            args = server_args(model, free_port(), max_model_len=512, max_num_seqs=16, extra=extra_args.get(name, []))
+            servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
+                                         cwd=workdir)
         bad = servers["bad_k0"]
         results["bad_k0"] = {"exit_code": bad.process.wait(timeout=HEALTH_TIMEOUT_S)}
         signal_server(bad, signal.SIGKILL)  # any child left in its process group
@@ -121,7 +103,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     results["bad_k0"]["log"] = (workdir / "bad_k0.log").read_text(errors="replace")
     for name, server in servers.items():
         metrics = arms[name].get("OEA_METRICS_FILE")
-        results[name].update(metrics=_read_jsonl(Path(metrics)) if metrics else [], pid=server.process.pid,
+        results[name].update(metrics=read_jsonl(Path(metrics)) if metrics else [], pid=server.process.pid,
                              log=(workdir / f"{name}.log").read_text(errors="replace"))
     return results
 

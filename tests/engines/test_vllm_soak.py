@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 from engine_venvs import engine_python
 from server_harness import free_port, stopping_servers
-from vllm_env import VLLM_PYTHON, server_env
+from vllm_env import VLLM_PYTHON, server_args, server_env
 
 from oea.soak.checks import across_arms, arm_checks, metrics_checks, read_metrics, trace_checks
 from oea.soak.client import run_phases
@@ -74,9 +74,8 @@ EXPERTS, TOP_K = _router_shape()
 def _args(port: int) -> list[str]:
     from oea.models import embedded_model_dir
 
-    return ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port", str(port), "--dtype",
-            "bfloat16", "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0",
-            "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(128 * 2**20)]
+    return server_args(embedded_model_dir(), port, max_model_len=512, max_num_seqs=32,
+                       extra=["--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(128 * 2**20)])
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -34,7 +34,7 @@ import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, VLLM_PYTHON, server_env
+from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
 import oea
 from oea.integrations.metrics import routed_hash
@@ -55,13 +55,7 @@ HEALTH_TIMEOUT_S = 1500
 
 
 def _complete(port: int, prompt: str, max_tokens: int) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "logprobs": 1}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        choice = json.load(resp)["choices"][0]
-    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"]}
+    return text_and_tokens(complete(port, prompt, max_tokens, timeout=300, logprobs=True))
 
 
 def _spec_counters(port: int) -> dict[str, float]:
@@ -70,10 +64,6 @@ def _spec_counters(port: int) -> dict[str, float]:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
         return parse_spec_counters(resp.read().decode())
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _exercise(port: int) -> dict:
@@ -103,9 +93,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     with stopping_servers() as servers:
         for name, extra in arms.items():
             env = server_env({**extra, "OEA_METRICS_FILE": str(work / f"{name}.jsonl")})
-            args = ["--model", str(embedded_model_dir()), "--served-model-name", "m", "--port", str(free_port()),
-                    "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
-                    "--speculative-config", SPECULATIVE]
+            args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16,
+                               extra=["--speculative-config", SPECULATIVE])
             servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log", cwd=work)
         bad = servers.pop("bad_verify")
         results["bad_verify"] = {"exit_code": bad.process.wait(timeout=HEALTH_TIMEOUT_S),
@@ -121,7 +110,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         print(f"speculative servers exercised in {time.monotonic() - ready:.0f} s", file=sys.stderr)
         time.sleep(3.0)  # metrics are flushed every 0.5 s, the trace checkpointed 1 s after the last step
     for name in servers:
-        results[name].update(metrics=_read_jsonl(work / f"{name}.jsonl"),
+        results[name].update(metrics=read_jsonl(work / f"{name}.jsonl"),
                              log=(work / f"{name}.log").read_text(errors="replace"))
     results["verify"]["trace"] = str(work / "verify.safetensors")
     print(f"speculative test servers done after {time.monotonic() - started:.0f} s", file=sys.stderr)

@@ -1,11 +1,15 @@
-"""What the real vLLM CPU tests share: a clean server environment, and running a check script in .venv-vllm
-(a free port and stopping servers: ``server_harness``; a missing venv: ``engine_venvs``)."""
+"""What the real vLLM CPU tests share: a test server's arguments and clean environment, one greedy completion
+from it and the JSON lines it writes, and running a check script in .venv-vllm (a free port and stopping
+servers: ``server_harness``; a missing venv: ``engine_venvs``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +42,39 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
     env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 **extra})
     return env
+
+
+def server_args(model: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
+                extra: Sequence[str] = ()) -> list[str]:
+    """``vllm serve`` arguments of one test server: ``model`` served as ``m`` on ``port``, bf16, seed 0, then
+    ``extra`` (the test's own flags)."""
+    return ["--model", str(model), "--served-model-name", "m", "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0", *extra]
+
+
+def complete(port: int, prompt: str, max_tokens: int, timeout: float, logprobs: bool = False) -> dict[str, Any]:
+    """The JSON answer of the test server on ``port`` to one greedy completion of ``prompt`` that decodes all
+    ``max_tokens`` (``ignore_eos``); ``logprobs``: with each token's text (``choices[0].logprobs.tokens``)."""
+    body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True}
+    if logprobs:
+        body["logprobs"] = 1
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+def text_and_tokens(answer: dict[str, Any]) -> dict[str, Any]:
+    """``{"text", "tokens"}`` of an answer's first choice (``complete(..., logprobs=True)``): the tokens tell
+    apart two texts that read the same."""
+    choice = answer["choices"][0]
+    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"]}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file a server writes (``OEA_METRICS_FILE``); none when it wrote no file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def run_vllm_checks(code: str) -> dict[str, Any]:
