@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, server_args, server_env
+from vllm_env import CODE_PROMPTS, complete, server_args, server_env, start_healthy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -39,7 +38,7 @@ def _complete(port: int, prompt: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    from oea.launch.vllm import start_server, stop_server, wait_healthy
+    from oea.launch.vllm import stop_server
     from oea.models import embedded_model_dir
     from oea.models.inflate import write_inflated
 
@@ -60,15 +59,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     with stopping_servers() as servers:
         for wave in ([[name] for name in arms] if large else [list(arms)]):
+            launches = {}
             for name in wave:
                 model, extra = arms[name]
-                env = server_env(extra)
                 args = server_args(model, free_port(), max_model_len=512, max_num_seqs=4, extra=["--enforce-eager"])
-                servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
-                                             cwd=workdir)
-            for name in wave:
-                wait_healthy(servers[name], timeout=HEALTH_TIMEOUT_S)
-            print(f"{wave} healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
+                launches[name] = (args, server_env(extra))
+            start_healthy(servers, launches, workdir, HEALTH_TIMEOUT_S, started)
             for name in wave:
                 port = port_of(servers[name])
                 results[name] = {"tokens": [_complete(port, p) for p in PROMPTS]}

@@ -36,7 +36,7 @@ import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
-from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args
+from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args, start_healthy
 
 import oea
 
@@ -71,7 +71,7 @@ def _read_capture(folder: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    from oea.launch.vllm import start_server, stop_server, wait_healthy
+    from oea.launch.vllm import stop_server
     from oea.models import embedded_model_dir
 
     engine_python("vllm")
@@ -87,19 +87,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     results = {}
     started = time.monotonic()
 
+    tp2 = ["--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes", str(128 * 2**20)]
+
     with stopping_servers() as servers:
         for wave in WAVES:  # each TP = 2 server holds ~3.3 GB (API, engine, 2 workers)
+            launches = {}
             for name in wave:
                 env = {**base, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "OEA_METRICS_FILE": str(work / f"{name}.jsonl"), **arms[name]}
-                args = server_args(embedded_model_dir(), free_port(), max_model_len=256, max_num_seqs=8,
-                                   extra=["--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes",
-                                          str(128 * 2**20)])
-                servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log",
-                                             cwd=work)
-            for name in wave:
-                wait_healthy(servers[name], timeout=HEALTH_TIMEOUT_S)
-            print(f"TP=2 servers {wave} healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
+                launches[name] = (server_args(embedded_model_dir(), free_port(), max_model_len=256, max_num_seqs=8,
+                                              extra=tp2), env)
+            start_healthy(servers, launches, work, HEALTH_TIMEOUT_S, started, "TP=2 servers ")
             for name in wave:
                 port = port_of(servers[name])
                 results[name] = {"sequential": [_complete(port, p, 12) for p in PROMPTS[:3]]}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +52,20 @@ def server_args(model: str | Path, port: int, *, max_model_len: int, max_num_seq
     ``extra`` (the test's own flags)."""
     return ["--model", str(model), "--served-model-name", "m", "--port", str(port), "--dtype", "bfloat16",
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0", *extra]
+
+
+def start_healthy(servers: dict[str, Any], launches: dict[str, tuple[list[str], dict[str, str]]], work: Path,
+                  timeout: float, started: float, what: str = "") -> None:
+    """Start a server in .venv-vllm per ``launches`` entry (name -> (arguments, environment); cwd ``work``, log
+    ``work/<name>.log``) into ``servers``, every one before waiting for any (their start-ups overlap), and
+    return once all are healthy, saying so on stderr with the seconds since ``started``."""
+    from oea.launch.vllm import start_server, wait_healthy
+
+    for name, (args, env) in launches.items():
+        servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log", cwd=work)
+    for name in launches:
+        wait_healthy(servers[name], timeout=timeout)
+    print(f"{what}{list(launches)} healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
 
 
 def complete(port: int, prompt: str, max_tokens: int, timeout: float, logprobs: bool = False) -> dict[str, Any]:
