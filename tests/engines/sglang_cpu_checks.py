@@ -51,20 +51,25 @@ def _cases(sg: SimpleNamespace) -> dict[str, dict[str, Any]]:
     TopKConfig = sg.topk.TopKConfig
     gen = torch.Generator().manual_seed(7)
     bias = torch.rand(E_GLM, generator=gen) * 0.5
+
+    def grouped_sigmoid(groups: int, topk_group: int, scale_on_output: bool, top_k: int = TOP_K,
+                        **extra: Any) -> Any:
+        """SGLang's grouped sigmoid top-k over E_GLM experts: renormalised, the correction bias above and a
+        routed scaling factor of 2.5, applied by the model (``scale_on_output``) or folded into the weights."""
+        return TopKConfig(top_k=top_k, use_grouped_topk=True, num_expert_group=groups, topk_group=topk_group,
+                          renormalize=True, correction_bias=bias, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                          apply_routed_scaling_factor_on_output=scale_on_output, **extra)
+
     cases = {
         # GLM-5: 256 experts, top-8, sigmoid + e_score_correction_bias, n_group = topk_group = 1; the
         # routed scaling factor is applied by the model (not folded into the top-k weights).
         "glm5_sigmoid_ngroup1": dict(
-            config=TopKConfig(top_k=TOP_K, use_grouped_topk=True, num_expert_group=1, topk_group=1,
-                              renormalize=True, correction_bias=bias, scoring_func="sigmoid",
-                              routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=False),
+            config=grouped_sigmoid(1, 1, scale_on_output=False),
             logits=_logits(16, E_GLM, 1),
             spec=oea.RouterSpec(E_GLM, TOP_K, "sigmoid", True, bias, 1, 1, 1.0)),
         # DeepSeek-V3-like grouped variant: 8 groups, best 4 kept, scale folded into the weights.
         "grouped_sigmoid_8x4_scaled": dict(
-            config=TopKConfig(top_k=TOP_K, use_grouped_topk=True, num_expert_group=8, topk_group=4,
-                              renormalize=True, correction_bias=bias, scoring_func="sigmoid",
-                              routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=True),
+            config=grouped_sigmoid(8, 4, scale_on_output=True),
             logits=_logits(16, E_GLM, 2),
             spec=oea.RouterSpec(E_GLM, TOP_K, "sigmoid", True, bias, 8, 4, 2.5)),
         # Qwen3-MoE through SGLang's torch-native softmax path.
@@ -79,10 +84,8 @@ def _cases(sg: SimpleNamespace) -> dict[str, dict[str, Any]]:
             spec=oea.RouterSpec(E_QWEN, TOP_K, "softmax", False)),
         # One fused shared expert appended by the router (GLM without --disable-shared-experts-fusion).
         "glm5_fused_shared_slot": dict(
-            config=TopKConfig(top_k=TOP_K + 1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
-                              renormalize=True, correction_bias=bias, scoring_func="sigmoid",
-                              routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=False,
-                              shared_experts=sg.SharedExpertsConfig(num_fused_shared_experts=1)),
+            config=grouped_sigmoid(1, 1, scale_on_output=False, top_k=TOP_K + 1,
+                                   shared_experts=sg.SharedExpertsConfig(num_fused_shared_experts=1)),
             logits=_logits(16, E_GLM, 5),
             spec=oea.RouterSpec(E_GLM, TOP_K, "sigmoid", True, bias, 1, 1, 1.0)),
     }
