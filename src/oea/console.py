@@ -78,6 +78,15 @@ def format_interval(value: float | None, ci: Sequence[float] | None, digits: int
     return f"{value:{spec}} [{low:{spec}}, {high:{spec}}]"
 
 
+def format_value(value: Any, digits: int = 1) -> str:
+    """A plain table cell: ``-`` for ``None``, a float with ``digits`` decimals, anything else as ``str``."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
 def format_p_value(p_value: float | None) -> str:
     """A p-value for a table cell (two significant digits); ``-`` where no test ran (e.g. identical rows)."""
     return "-" if p_value is None else f"{p_value:.2g}"

@@ -11,6 +11,7 @@ from oea.console import (
     check_unique,
     float_between,
     format_interval,
+    format_value,
     int_at_least,
     progress_bar,
     seed_value,
@@ -46,14 +47,6 @@ def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
             value = raw
         options.setdefault(policy, {})[key] = value
     return options
-
-
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -119,10 +112,10 @@ def simulation_table(name: str, args: argparse.Namespace, rows: list[dict[str, A
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
-        cells = [row["policy"], _fmt(row["k0"]), str(row["batch_size"]), *([row["union"]] if dp else []),
+        cells = [row["policy"], format_value(row["k0"]), str(row["batch_size"]), *([row["union"]] if dp else []),
                  str(row["num_batches"]),
                  format_interval(row["mean_active_experts"], row["mean_active_experts_ci"]),
-                 _fmt(row["p50_active_experts"]), _fmt(row["p95_active_experts"]),
+                 format_value(row["p50_active_experts"]), format_value(row["p95_active_experts"]),
                  format_interval(row["active_ratio_vs_vanilla"], row["active_ratio_vs_vanilla_ci"], 2),
                  format_interval(row["mean_experts_per_token"], row["mean_experts_per_token_ci"], 2),
                  format_interval(row["kept_topk_share"], row["kept_topk_share_ci"], 3),

@@ -11,16 +11,13 @@ from oea.console import (
     check_unique,
     float_between,
     format_interval,
+    format_value,
     int_at_least,
     progress_bar,
     seed_value,
     wide_console,
 )
 from oea.sim.preset_file import add_model_preset_file_argument
-
-
-def _fmt(value: Any, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def _pct(gain: float | None, ci: list[float] | None) -> str:
@@ -99,9 +96,9 @@ def _layer_table(rows: list[dict[str, Any]], k0s: list[int]) -> Any:
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
-        cells = [str(row["batch_size"]), _fmt(row["uniform_active_experts"]),
+        cells = [str(row["batch_size"]), format_value(row["uniform_active_experts"]),
                  format_interval(row["trace_vanilla_active_experts"], row["trace_vanilla_active_experts_ci"]),
-                 _fmt(row["arithmetic_intensity"]), row["bound"],
+                 format_value(row["arithmetic_intensity"]), row["bound"],
                  format_interval(row["latency_vanilla_us"], row["latency_vanilla_us_ci"])]
         for k0 in k0s:
             cells += [format_interval(row[f"oea_k0_{k0}_active_experts"], row[f"oea_k0_{k0}_active_experts_ci"]),
@@ -122,10 +119,10 @@ def _step_table(rows: list[dict[str, Any]], k0s: list[int]) -> Any:
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
-        cells = [str(row["batch_size"]), _fmt(row["step_attention_us"], 0), _fmt(row["step_kv_cache_us"], 0),
-                 _fmt(row["step_dense_mlp_us"] + row["step_shared_experts_us"], 0),
-                 _fmt(row["step_all_reduce_us"], 0), _fmt(row["step_lm_head_us"], 0),
-                 _fmt(row["step_routed_experts_vanilla_us"], 0),
+        parts_us = (row["step_attention_us"], row["step_kv_cache_us"],
+                    row["step_dense_mlp_us"] + row["step_shared_experts_us"], row["step_all_reduce_us"],
+                    row["step_lm_head_us"], row["step_routed_experts_vanilla_us"])
+        cells = [str(row["batch_size"]), *(format_value(us, 0) for us in parts_us),
                  format_interval(row["step_latency_vanilla_us"], row["step_latency_vanilla_us_ci"], 0),
                  f"{100 * row['moe_share_of_step']:.0f}%"]
         for k0 in k0s:
