@@ -86,8 +86,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OEA_", "SGLANG_OEA_", "VLLM_"))}
     results = {}
     started = time.monotonic()
-
-    tp2 = ["--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes", str(128 * 2**20)]
+    tp2_flags = ["--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes", str(128 * 2**20)]
 
     with stopping_servers() as servers:
         for wave in WAVES:  # each TP = 2 server holds ~3.3 GB (API, engine, 2 workers)
@@ -96,7 +95,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 env = {**base, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "OEA_METRICS_FILE": str(work / f"{name}.jsonl"), **arms[name]}
                 launches[name] = (server_args(embedded_model_dir(), free_port(), max_model_len=256, max_num_seqs=8,
-                                              extra=tp2), env)
+                                              extra=tp2_flags), env)
             start_healthy(servers, launches, work, HEALTH_TIMEOUT_S, started, "TP=2 servers ")
             for name in wave:
                 port = port_of(servers[name])
