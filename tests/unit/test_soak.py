@@ -233,6 +233,21 @@ def test_metrics_rows_outside_the_bounds_are_reported() -> None:
 def test_memory_reads_every_process_of_the_group() -> None:
     reading = memory(os.getpgid(0))
     assert any(p["pid"] == os.getpid() for p in reading["processes"]) and reading["rss_mib"] > 10
+    for process in reading["processes"]:  # the kernel's RssAnon + RssFile + RssShmem is VmRSS
+        parts = process["anon_mib"] + process["file_mib"] + process["shmem_mib"]
+        assert abs(parts - process["rss_mib"]) <= 0.3 and process["anon_mib"] > 0, process
+    assert reading["anon_mib"] == pytest.approx(sum(p["anon_mib"] for p in reading["processes"]), abs=0.2)
+
+
+def test_a_heap_allocation_shows_as_anonymous_memory_not_as_file_backed() -> None:
+    def mine(reading: dict) -> dict:
+        return next(p for p in reading["processes"] if p["pid"] == os.getpid())
+
+    before = mine(memory(os.getpgid(0)))
+    held = bytearray(b"x" * (64 * 2**20))  # 64 MiB written, so resident
+    after = mine(memory(os.getpgid(0)))
+    assert after["anon_mib"] - before["anon_mib"] >= 60 and abs(after["file_mib"] - before["file_mib"]) < 16
+    del held
     assert memory_bound_mib(1000.0) > memory_bound_mib(0.0) > 0
 
 

@@ -1,7 +1,8 @@
 """What the soak watches besides its requests: which engine answers, the server's health over time, and the
 memory of every process in the server's process group (API server, engine core, workers).
 
-Memory is read from ``/proc/<pid>/status`` (``VmRSS``, resident set) and ``/proc/<pid>/smaps_rollup``
+Memory is read from ``/proc/<pid>/status`` (``VmRSS``, resident set, and its anonymous / file-backed / shared
+memory parts ``RssAnon`` / ``RssFile`` / ``RssShmem``) and ``/proc/<pid>/smaps_rollup``
 (``Pss``, the proportional share, which does not count pages the processes share twice) on Linux.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENGINES = ("vllm", "sglang")
+# /proc/<pid>/status fields that split the RSS: (field, name in the readings)
+MEMORY_PARTS = (("RssAnon", "anon"), ("RssFile", "file"), ("RssShmem", "shmem"))
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -210,15 +213,18 @@ def group_pids(pgid: int) -> list[int]:
     return sorted(pids)
 
 
-def _kib(path: str, key: str) -> int | None:
+def _kib(path: str, *keys: str) -> dict[str, int]:
+    """The ``key: N kB`` fields of a /proc file that are among ``keys`` ({} when it cannot be read)."""
+    found: dict[str, int] = {}
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+                key, sep, rest = line.partition(":")
+                if sep and key in keys:
+                    found[key] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return found
 
 
 def _name(pid: int) -> str:
@@ -231,14 +237,22 @@ def _name(pid: int) -> str:
 
 
 def memory(pgid: int) -> dict[str, Any]:
-    """RSS and PSS (MiB) of every process in group ``pgid`` and their sums, with each process's name."""
+    """RSS, PSS and the RSS's anonymous and file-backed parts (MiB) of every process in group ``pgid`` and
+    their sums, with each process's name. Anonymous pages are the heap (what a leak grows); file-backed ones
+    are mapped files such as shared libraries' code, read in as new code paths run."""
     processes = []
     for pid in group_pids(pgid):
-        rss = _kib(f"/proc/{pid}/status", "VmRSS")
-        if rss is None:
+        status = _kib(f"/proc/{pid}/status", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+        if "VmRSS" not in status:
             continue
-        pss = _kib(f"/proc/{pid}/smaps_rollup", "Pss")
-        processes.append({"pid": pid, "name": _name(pid), "rss_mib": round(rss / 1024, 1),
-                          "pss_mib": None if pss is None else round(pss / 1024, 1)})
-    return {"time": time.time(), "rss_mib": round(sum(p["rss_mib"] for p in processes), 1),
-            "pss_mib": round(sum(p["pss_mib"] or 0 for p in processes), 1), "processes": processes}
+        pss = _kib(f"/proc/{pid}/smaps_rollup", "Pss").get("Pss")
+        processes.append({"pid": pid, "name": _name(pid), "rss_mib": _mib(status["VmRSS"]),
+                          "pss_mib": None if pss is None else _mib(pss),
+                          **{f"{field}_mib": _mib(status[key]) for key, field in MEMORY_PARTS if key in status}})
+    total = {f"{field}_mib": round(sum(p.get(f"{field}_mib") or 0 for p in processes), 1)
+             for field in ("rss", "pss", *(f for _, f in MEMORY_PARTS))}
+    return {"time": time.time(), **total, "processes": processes}
+
+
+def _mib(kib: int) -> float:
+    return round(kib / 1024, 1)

@@ -71,7 +71,7 @@ def _keep(outcomes: list[Outcome]) -> list[dict[str, Any]]:
 async def _sample_memory(pgid: int, samples: list[dict[str, Any]], stop: asyncio.Event, every_s: float) -> None:
     while not stop.is_set():
         reading = memory(pgid)
-        samples.append({"time": reading["time"], "rss_mib": reading["rss_mib"], "pss_mib": reading["pss_mib"]})
+        samples.append({key: reading[key] for key in ("time", "rss_mib", "pss_mib", "anon_mib", "file_mib")})
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
 
@@ -124,7 +124,8 @@ async def _soak(info: ServerInfo, cfg: SoakConfig, pgid: int | None, started: fl
         gone = not end["processes"]  # the server exited (a fault, a crash): no end reading
         report.update(memory_end=end, memory_samples=samples,
                       rss_growth_mib=None if gone else round(end["rss_mib"] - before["rss_mib"], 1),
-                      pss_growth_mib=None if gone else round(end["pss_mib"] - before["pss_mib"], 1),
+                      **{f"{part}_growth_mib": None if gone else round(end[f"{part}_mib"] - before[f"{part}_mib"], 1)
+                         for part in ("pss", "anon", "file")},
                       rss_growth_second_half_mib=_second_half_growth(samples, end, gone),
                       vanished_pids=sorted(set(report["pids_after_warmup"]) - alive),
                       new_pids=sorted(alive - set(report["pids_after_warmup"])))
