@@ -19,13 +19,14 @@ from oea.bench.serve import client as serve
 from oea.launch.vllm import oea_env, server_url
 
 FAKE_SERVER = r'''
-import argparse, json, os, time
+import argparse, json, os, sys, time
 from fake_servers import serve_completions
 p = argparse.ArgumentParser()
 p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--model")
 args, _ = p.parse_known_args()
 with open(os.environ["FAKE_ENV_DUMP"], "a") as f:
-    f.write(json.dumps({k: v for k, v in os.environ.items() if k.startswith(("OEA_", "VLLM_HOST"))}) + "\n")
+    f.write(json.dumps({**{k: v for k, v in os.environ.items() if k.startswith(("OEA_", "VLLM_HOST"))},
+                        "argv": sys.argv[1:]}) + "\n")
 time.sleep(0.3)  # a start-up delay, so that the health wait is exercised
 serve_completions(args.host, args.port, {"id": args.model})
 '''
@@ -85,7 +86,8 @@ def test_restart_mode_ab(fake_vllm: Path, tmp_path: Path, capsys: pytest.Capture
     out = tmp_path / "ab.jsonl"
     fake = f"PYTHONPATH={fake_vllm} FAKE_ENV_DUMP={dump}"
     code = main(["bench", "serve", "--serve-arm", f"off={fake}", "--serve-arm", f"k3={fake} OEA_K0=3",
-                 "--python", sys.executable, "--num-prompts", "2", "--random-input-len", "4",
+                 "--serve-arm-args", "k3=--extra-flag '7 8'", "--python", sys.executable, "--num-prompts", "2",
+                 "--random-input-len", "4",
                  "--random-output-len", "3", "--max-concurrency", "1", "2", "--rounds", "2",
                  "--warmup-requests", "1", "--output-file", str(out), "--no-progress", "--json",
                  "--", "--model", "m", "--port", str(free_port())])
@@ -97,6 +99,10 @@ def test_restart_mode_ab(fake_vllm: Path, tmp_path: Path, capsys: pytest.Capture
     assert all(r["completed"] == 2 and r["engine_decode_steps"] == 0 for r in rows)
     starts = [json.loads(line) for line in dump.read_text().splitlines()]
     assert [s.get("OEA_K0") for s in starts] == [None, "3", "3", None]
+    assert [s["argv"].count("--extra-flag") for s in starts] == [0, 1, 1, 0]  # k3's servers only
+    assert all(s["argv"][s["argv"].index("--extra-flag") + 1] == "7 8" for s in starts[1:3])
+    extra = ["--extra-flag", "7 8"]
+    assert [r.get("arm_server_args") for r in rows[::2]] == [None, extra, extra, None]
     assert all(s["OEA_TIMING"] == "1" and s["OEA_METRICS_FILE"].endswith(".jsonl") for s in starts)
     report = json.loads(capsys.readouterr().out)
     assert {s["arm"] for s in report["summary"]} == {"off", "k3"}
@@ -123,3 +129,17 @@ def test_serve_arm_parsing() -> None:
         parse_serve_arms(["noequals"])
     with pytest.raises(ValueError, match="VAR=VALUE"):
         parse_serve_arms(["a=JUNK"])
+    from oea.bench.serve.ab import parse_serve_arm_args
+
+    assert parse_serve_arm_args(["k3=--a 1 --b '{\"x\": 1}'"], arms) == {"k3": ["--a", "1", "--b", '{"x": 1}']}
+    for bad, message in ((["k5=--a"], "no --serve-arm of that name"), (["k3="], "NAME=ARGS"),
+                         (["k3=--a", "k3=--b"], "given twice")):
+        with pytest.raises(ValueError, match=message):
+            parse_serve_arm_args(bad, arms)
+
+
+def test_serve_arm_args_need_restart_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.cli import main
+
+    assert main(["bench", "serve", "--serve-arm-args", "a=--x 1", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert "--serve-arm-args is only used with --serve-arm" in capsys.readouterr().err

@@ -64,6 +64,24 @@ def parse_serve_arms(specs: list[str]) -> dict[str, dict[str, str]]:
     return arms
 
 
+def parse_serve_arm_args(specs: list[str], arms: dict[str, dict[str, str]]) -> dict[str, list[str]]:
+    """``NAME=ARGS`` (shell-split) -> {name: server arguments added for that arm only}; NAME must be a
+    ``--serve-arm`` and given once (ValueError naming ``--serve-arm-args`` otherwise)."""
+    import shlex
+
+    extra: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or not rest.strip():
+            raise ValueError(f"--serve-arm-args must be NAME=ARGS (server arguments for that arm), got {spec!r}")
+        if name not in arms:
+            raise ValueError(f"--serve-arm-args {name}: no --serve-arm of that name (arms: {', '.join(arms)})")
+        if name in extra:
+            raise ValueError(f"--serve-arm-args {name}: given twice")
+        extra[name] = shlex.split(rest)
+    return extra
+
+
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """The request mix from the parsed flags."""
     return BenchConfig(
@@ -185,8 +203,13 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
                   out_dir: Path, output_file: Path | None, python: str | None, health_timeout: float,
                   progress: bool, server_nice: int | None = None, first_round: int = 0,
                   max_load: float | None = None, load_wait: float = 1800.0,
-                  engine: str | None = None) -> list[dict[str, Any]]:
+                  engine: str | None = None, arm_args: dict[str, list[str]] | None = None
+                  ) -> list[dict[str, Any]]:
     """Restart mode: one server per (round, arm), arm order rotated between rounds (``restart_order``).
+
+    ``arm_args``: server arguments added after ``vllm_args`` for some arms only (``--serve-arm-args``: e.g.
+    speculative decoding in some arms and not in others of the same run); rows record them
+    (``arm_server_args``).
 
     ``engine`` (``vllm`` / ``sglang``; None: ``detect_engine`` of ``vllm_args``, the server's arguments) says
     which server is started; each row records it (``engine``).
@@ -218,22 +241,23 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], vllm_args: list[str], c
 
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
-        _restart_rounds(serve_arms, names, (engine, vllm_args), cfg, out_dir, output_file, python, health_timeout,
-                        progress, server_nice, first_round, (max_load, load_wait), rows)
+        _restart_rounds(serve_arms, names, (engine, vllm_args, arm_args or {}), cfg, out_dir, output_file, python,
+                        health_timeout, progress, server_nice, first_round, (max_load, load_wait), rows)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return rows
 
 
-def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], command: tuple[str, list[str]],
+def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str],
+                    command: tuple[str, list[str], dict[str, list[str]]],
                     cfg: BenchConfig, out_dir: Path, output_file: Path | None, python: str | None,
                     health_timeout: float, progress: bool, server_nice: int | None, first_round: int,
                     load_gate: tuple[float | None, float], rows: list[dict[str, Any]]) -> None:
     from oea.launch.server_process import stop_server, wait_healthy
     from oea.launch.vllm import oea_env
 
-    engine, server_args = command
-    start_server = _starter(engine, server_args, python)
+    engine, shared_args, arm_args = command
+    start_server = _starter(engine, shared_args, python)
     for r in range(first_round, first_round + cfg.rounds):
         for name in restart_order(names, r):
             metrics_file = out_dir / f"engine-{name}-round{r}.jsonl"
@@ -241,6 +265,7 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], com
             env = oea_env(None, None)
             env.update({"OEA_METRICS_FILE": str(metrics_file), "OEA_TIMING": "1", **serve_arms[name]})
             waited = wait_for_load(*load_gate)
+            server_args = [*shared_args, *arm_args.get(name, [])]
             server = start_server(server_args, env, python=python, log_path=out_dir / f"server-{name}-round{r}.log",
                                   nice=server_nice)
             try:
@@ -252,6 +277,8 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str], com
                     row["round"] = r
                     row["engine"] = engine
                     row["arm_env"] = serve_arms[name]
+                    if name in arm_args:
+                        row["arm_server_args"] = arm_args[name]
                     row["load_wait_s"] = waited
                     rows.append(row)
                     if output_file is not None:
@@ -327,14 +354,17 @@ def main(args: argparse.Namespace) -> int:
         if args.base_url or args.base_url_a or args.arm:
             raise ValueError("--serve-arm (restart mode) cannot be combined with --base-url/--arm")
         serve_arms = parse_serve_arms(args.serve_arm)
+        arm_args = parse_serve_arm_args(args.serve_arm_args, serve_arms)
         out_dir = Path(args.engine_metrics_dir or (output_file.parent if output_file else Path("oea-bench-serve")))
         rows = run_restarted(serve_arms, list(args.vllm_args), cfg, out_dir, output_file, args.python,
                              args.health_timeout, progress=not args.no_progress, server_nice=args.server_nice,
                              first_round=args.first_round, max_load=args.max_load, load_wait=args.load_wait,
-                             engine=args.engine)
+                             engine=args.engine, arm_args=arm_args)
         if args.first_round and output_file is not None:  # an extension: summarise every round in the file
             rows = load_rows(output_file)
     else:
+        if args.serve_arm_args:
+            raise ValueError("--serve-arm-args is only used with --serve-arm (restart mode)")
         if args.vllm_args and args.vllm_args != ["--"]:
             raise ValueError("server arguments after '--' are only used with --serve-arm (restart mode)")
         arms = parse_arms(args)

@@ -37,6 +37,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="restart mode: an arm served by a fresh vLLM or SGLang server (--engine) with ENV "
                         "(space-separated VAR=VALUE, e.g. 'OEA_K0=3'; empty for stock) and the server arguments "
                         "after '--'")
+    p.add_argument("--serve-arm-args", action="append", default=[], metavar="NAME=ARGS",
+                   help="restart mode: server arguments for one --serve-arm only, added after those after '--' "
+                        "(shell-split; e.g. speculative decoding in some arms of the run and not in others)")
     p.add_argument("--engine", choices=ENGINES,
                    help="the servers' engine: restart mode starts it (default: sglang when the arguments after "
                         "'--' use a flag only SGLang's launch_server has, e.g. --model-path; else vllm); with "
