@@ -355,6 +355,19 @@ def test_sglang_limits_come_from_its_server_info_or_its_context_length() -> None
     assert serving_limits("sglang", 4096, {"max_req_input_len": 1018}) == (1017, 1022)  # a KV pool of 1024 tokens
 
 
+def test_the_memory_check_says_where_the_growth_is() -> None:
+    def reading(worker_mib: float) -> dict:
+        return {"rss_mib": 100.0 + worker_mib, "processes": [{"pid": 1, "name": "api", "rss_mib": 100.0},
+                                                             {"pid": 2, "name": "worker", "rss_mib": worker_mib}]}
+
+    report = {"failed": 0, "warmup": {"failed": 0, "sent": 1, "failures": []}, "failures": [], "sent": 10,
+              "aborted": 5, "health": {"unhealthy": 0, "samples": 3}, "memory_after_warmup": reading(500.0),
+              "memory_end": reading(700.0), "rss_growth_mib": 200.0, "pss_growth_mib": 199.0,
+              "anon_growth_mib": 198.5, "file_growth_mib": 1.5}
+    memory = arm_checks("a", report)[-1]
+    assert not memory.held and "anon +198.5, file +1.5; most in worker +200.0 MiB" in memory.detail
+
+
 def test_an_arms_memory_growth_is_compared_with_the_baselines() -> None:
     def arm(growth: float | None) -> dict:
         return {"outcomes": [{"index": 3, "plan": "refuse", "status": 400, "error": "x", "outcome": "refused"}],

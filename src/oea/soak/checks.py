@@ -77,8 +77,21 @@ def arm_checks(name: str, report: Mapping[str, Any], min_aborted_share: float = 
             checks.append(Check(f"{name}: RSS growth after warm-up within {bound:.0f} MiB", growth <= bound,
                                 f"{warm:.0f} -> {report['memory_end']['rss_mib']:.0f} MiB ({growth:+.1f} MiB, "
                                 f"{_signed(report.get('rss_growth_second_half_mib'))} in the second half; PSS "
-                                f"{report['pss_growth_mib']:+.1f} MiB)"))
+                                f"{report['pss_growth_mib']:+.1f} MiB{_where(report)})"))
     return checks
+
+
+def _where(report: Mapping[str, Any]) -> str:
+    """Where the growth is: anonymous (heap) or file-backed, and the process that grew most (by pid)."""
+    parts = "".join(f", {part} {report[f'{part}_growth_mib']:+.1f}" for part in ("anon", "file")
+                    if report.get(f"{part}_growth_mib") is not None)
+    before = {p["pid"]: p for p in report["memory_after_warmup"].get("processes", [])}
+    grown = [(p["rss_mib"] - before[p["pid"]]["rss_mib"], p["name"]) for p in report["memory_end"].get("processes", [])
+             if p["pid"] in before]
+    if not grown:
+        return parts
+    most, process = max(grown)
+    return f"{parts}; most in {process} {most:+.1f} MiB"
 
 
 def _signed(value: float | None) -> str:
