@@ -93,3 +93,20 @@ def test_nice_lowers_the_client_and_each_servers_priority(tmp_path: Path) -> Non
     group = Path(f"{fake}.group")
     if group.read_text().split():  # a kernel with sched_autogroup: the server's session weighs as nice 15 too
         assert group.read_text().split()[-1] == "15", group.read_text()
+
+
+@pytest.mark.parametrize(("arm_env", "flags", "seen"), [("", [], "0"), ("", ["--keep-engine-caches"], ""),
+                                                       ("ONEDNN_PRIMITIVE_CACHE_CAPACITY=64", [], "64")])
+def test_started_servers_run_with_onednns_shape_cache_off_unless_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, arm_env: str,
+        flags: list[str], seen: str) -> None:
+    from oea.cli import main
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    fake = tmp_path / "fake-python"  # an interpreter that says the cache capacity it was given, then exits
+    fake.write_text('#!/bin/sh\necho "$ONEDNN_PRIMITIVE_CACHE_CAPACITY" > "$0.env"\nexit 1\n')
+    fake.chmod(0o755)
+    code = main(["soak", "--arm", f"a={arm_env}", "--python", str(fake), "--requests", "5", "--duration", "10",
+                 "--out", str(tmp_path / "out"), *flags, "--", "--model", "m", "--port", "9"])
+    assert code == 2 and "server exited with code 1" in capsys.readouterr().err
+    assert Path(f"{fake}.env").read_text().strip() == seen

@@ -51,7 +51,7 @@ def _main(args: argparse.Namespace) -> int:
         result = run(arms, cfg, engine_args, args.python, Path(args.out) if args.out else None, args.baseline,
                      args.identical_outputs, args.health_timeout, pgids,
                      say=lambda line: print(f"oea soak: {line}", file=sys.stderr, flush=True), engine=engine,
-                     nice=args.nice)
+                     nice=args.nice, keep_engine_caches=args.keep_engine_caches)
     except SoakError as err:
         print(f"oea soak: error: {err}", file=sys.stderr)
         return 2
@@ -128,6 +128,10 @@ def register(commands: argparse._SubParsersAction, _bench: argparse._SubParsersA
     p.add_argument("--nice", type=int, metavar="N",
                    help="scheduling priority (-20..19) of this client and of each --arm server (a server's own "
                         "session's autogroup included): e.g. 15 to soak beside other work on a shared machine")
+    p.add_argument("--keep-engine-caches", action="store_true",
+                   help="--arm: start each server with the engine's shape caches as configured (default: oneDNN's "
+                        "primitive cache off, ONEDNN_PRIMITIVE_CACHE_CAPACITY=0, so that the memory check sees a "
+                        "leak rather than a cache filling with new matmul shapes; an arm's own value wins)")
     p.add_argument("--out", help="folder for each arm's report (<arm>.json, every request) and soak.json")
     p.add_argument("--json", action="store_true", help="print the summary and the checks as JSON")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,

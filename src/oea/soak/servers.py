@@ -8,7 +8,8 @@ The engine is ``--engine`` or, when not given, read from the server arguments as
 ``sgl_kernel`` runs with the launcher's stand-in (``oea.launch.sglang_server``, docs/sglang.md section 9).
 
 An arm's environment (``NAME=VAR=VALUE ...`` on the command line) says what the engine-side checks read:
-``OEA_K0`` (OEA on, its k0), ``OEA_METRICS_FILE`` and ``OEA_TRACE_FILE``.
+``OEA_K0`` (OEA on, its k0), ``OEA_METRICS_FILE`` and ``OEA_TRACE_FILE``. Started servers also get
+``LEAK_CHECK_ENV`` unless the arm sets those variables itself or the soak keeps the engine's caches.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from typing import Any
 
 from oea.launch.server_process import option as _option
 from oea.soak.monitor import SoakError
+
+# Caches that fill with every new matmul shape up to their capacity: the soak's mix of lengths keeps adding
+# shapes, so with them on the memory check would see a cache filling instead of what is left (a leak). oneDNN's
+# primitive cache (CPU servers): +191 MiB of vLLM's worker over 2,000 requests with it, +10 MiB
+# without (docs/reliability.md, "What grows").
+LEAK_CHECK_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 
 
 @dataclass
@@ -101,16 +108,18 @@ def needs_stand_in(engine_args: Sequence[str], python: str) -> bool:
 
 
 def start(arm: Arm, engine_args: Sequence[str], python: str | None, log_dir: Path, nice: int | None = None,
-          engine: str = "vllm") -> None:
+          engine: str = "vllm", keep_engine_caches: bool = False) -> dict[str, str]:
     """Start ``arm``'s ``engine`` server (its variables on top of this environment without any ``OEA_*`` of
-    ours) in this process's working folder, so that relative paths in the server arguments and in the arm's
-    ``OEA_*_FILE`` variables name the same files for the server and for the checks that read them; its log
-    goes to ``log_dir``."""
+    ours, and ``LEAK_CHECK_ENV`` unless ``keep_engine_caches``) in this process's working folder, so that
+    relative paths in the server arguments and in the arm's ``OEA_*_FILE`` variables name the same files for
+    the server and for the checks that read them; its log goes to ``log_dir``. Returns the variables of
+    ``LEAK_CHECK_ENV`` the server got."""
     from oea.launch.vllm import oea_env
 
     check_engine_args(engine_args)
     env = {k: v for k, v in oea_env(None, None).items() if not k.startswith("OEA_")}
-    env.update(arm.env)
+    leak_check = {} if keep_engine_caches else {k: v for k, v in LEAK_CHECK_ENV.items() if k not in arm.env}
+    env.update({**leak_check, **arm.env})
     log_dir.mkdir(parents=True, exist_ok=True)
     python = interpreter(python)
     log_path = log_dir / f"{arm.name}.log"
@@ -124,6 +133,7 @@ def start(arm: Arm, engine_args: Sequence[str], python: str | None, log_dir: Pat
 
         arm.server = start_server(list(engine_args), env, python=python, log_path=log_path, nice=nice)
     arm.base_url = arm.server.base_url
+    return leak_check
 
 
 def wait(arm: Arm, timeout_s: float) -> None:

@@ -64,15 +64,17 @@ def _stop_on_sigterm() -> Any:
 def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None = None, python: str | None = None,
         out_dir: Path | None = None, baseline: str | None = None, identical: Sequence[str] = (),
         health_timeout_s: float = 900.0, pgids: dict[str, int] | None = None,
-        say: Callable[[str], None] = lambda _line: None, engine: str = "vllm", nice: int | None = None
-        ) -> dict[str, Any]:
+        say: Callable[[str], None] = lambda _line: None, engine: str = "vllm", nice: int | None = None,
+        keep_engine_caches: bool = False) -> dict[str, Any]:
     """Soak every arm one after the other and check what must hold.
 
     Arms with a ``base_url`` are attached to (``pgids`` may name their process groups, for memory and
     restarts); the others get an ``engine`` server (``vllm`` or ``sglang``) started with ``engine_args`` (its
     server arguments) and stopped by its process group afterwards, also on an error or SIGTERM. A server that
     says it is another engine than the one started is a ``SoakError``. ``nice``: the started servers'
-    scheduling priority (their sessions' autogroups included, ``oea.launch.priority``)."""
+    scheduling priority (their sessions' autogroups included, ``oea.launch.priority``). Started servers run
+    with the engine's shape caches off (``servers.LEAK_CHECK_ENV``) unless ``keep_engine_caches``; each report
+    records the variables that added (``leak_check_env``)."""
     names = [a.name for a in arms]
     baseline = baseline or names[0]
     for name in [baseline, *identical]:
@@ -86,9 +88,11 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
     try:
         for arm in arms:
             started = time.monotonic()
+            leak_check: dict[str, str] = {}
             if arm.base_url is None:
                 say(f"{arm.name}: starting the server ({' '.join(f'{k}={v}' for k, v in arm.env.items()) or 'no OEA'})")
-                start(arm, engine_args or [], python, log_dir, nice=nice, engine=engine)
+                leak_check = start(arm, engine_args or [], python, log_dir, nice=nice, engine=engine,
+                                   keep_engine_caches=keep_engine_caches)
             try:
                 if arm.server is not None:
                     try:
@@ -110,6 +114,7 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
                 if arm.server is not None:
                     stop(arm)
             report["env"] = dict(arm.env)
+            report["leak_check_env"] = leak_check
             reports[arm.name] = report
             checks += arm_checks(arm.name, report)
             checks += engine_checks(arm, shape, info.engine)
@@ -130,7 +135,7 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
 
 SUMMARY_FIELDS = ("sent", "completed", "refused", "aborted", "failed", "refused_by_status", "unsent", "stopped",
                   "soak_s", "time_s", "tokens", "health", "restarts", "rss_growth_mib", "rss_growth_second_half_mib",
-                  "pss_growth_mib", "warmup")
+                  "pss_growth_mib", "anon_growth_mib", "file_growth_mib", "warmup", "leak_check_env")
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
