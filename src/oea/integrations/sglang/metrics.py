@@ -1,7 +1,8 @@
 """``OEA_METRICS_FILE`` for SGLang: the SGLang side of ``oea.integrations.metrics`` (rows as vLLM's).
 
-* ``configure`` (``register``): the file (kept when this process can write it, else one warning and no
-  metrics) and ``OEA_TIMING``;
+* ``configure`` (``register``): the file and ``OEA_TIMING``. Whether the file can be written is tested at
+  the process's first forward (kept, else one warning and no metrics): SGLang loads plugins in its HTTP and
+  detokenizer processes too, which never write rows and would each repeat the warning;
 * ``forward`` (entered by the phase hooks around each forward): one ``StepRecord`` per outermost forward
   (a forward context entered inside another is the same step). ``decode`` is true for the forwards OEA may
   rewrite (DECODE, and TARGET_VERIFY with ``OEA_APPLY_TO_VERIFY=1``), ``verify`` for TARGET_VERIFY ones;
@@ -40,7 +41,8 @@ from oea.routing import active_experts
 
 @dataclass
 class _Metrics:
-    path: str | None = None  # OEA_METRICS_FILE when this process can write it
+    path: str | None = None  # OEA_METRICS_FILE (None once this process found it cannot write it)
+    checked: bool = False  # whether this process tested that it can write ``path`` (at its first forward)
     timing: bool = False  # OEA_TIMING
     oea: bool = False  # OEA_K0 set: active_stock is counted, and a step is "oea" when every layer was rewritten
     writer: MetricsWriter | None = None
@@ -55,16 +57,22 @@ METRICS = _Metrics()  # one per process, never replaced
 
 
 def configure(settings: EnvSettings, timing: bool) -> None:
-    """Start-up: the metrics file (when this process can write it; else one warning, serving goes on without
-    metrics) and ``OEA_TIMING``."""
+    """Start-up: the metrics file (tested at this process's first forward, ``_writable``) and ``OEA_TIMING``."""
     METRICS.timing, METRICS.oea = timing, settings.oea is not None
-    METRICS.path = settings.metrics_file or None
-    if METRICS.path is not None:
+    METRICS.path, METRICS.checked = settings.metrics_file or None, False
+
+
+def _writable() -> bool:
+    """Whether this process can append to the metrics file; the first call that finds it cannot warns once and
+    serving goes on without metrics."""
+    if not METRICS.checked and METRICS.path is not None:
+        METRICS.checked = True
         problem = trace_path_problem(METRICS.path)  # the same test as a trace: a file this process appends to
         if problem is not None:
             log.warning("oea: OEA_METRICS_FILE=%s cannot be written (%s); serving without metrics",
                         METRICS.path, problem)
             METRICS.path = None
+    return METRICS.path is not None
 
 
 def observing() -> bool:
@@ -75,7 +83,7 @@ def observing() -> bool:
 @contextlib.contextmanager
 def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
     """Around one forward of ``forward_batch`` in ``mode`` (a ``ForwardMode``): its metrics row."""
-    if METRICS.path is None or METRICS.depth or tracing():
+    if METRICS.path is None or METRICS.depth or tracing() or not _writable():
         METRICS.depth += 1
         try:
             yield

@@ -43,22 +43,32 @@ class _Trace:
     active: bool = False  # this forward is recorded
     depth: int = 0  # forward contexts entered (only the outermost one is a step)
     verify: bool = False  # OEA_APPLY_TO_VERIFY: verify forwards are recorded too
+    checked: bool = False  # whether this process tested that it can write the trace (at its first forward)
 
 
 TRACE = _Trace()  # one per process, never replaced
 
 
 def configure(settings: TraceSettings | None, apply_to_verify: bool = False) -> None:
-    """Start-up: keep ``settings`` unless the file cannot be written (then one warning, no recording);
-    ``apply_to_verify`` (``OEA_APPLY_TO_VERIFY``) records speculative verify forwards too."""
-    TRACE.settings, TRACE.verify = writable_settings(settings, log), apply_to_verify
+    """Start-up: keep ``settings`` (whether the file can be written is tested at this process's first recorded
+    forward: one warning and no recording if not; SGLang's HTTP and detokenizer processes load the plugin too
+    and never record); ``apply_to_verify`` (``OEA_APPLY_TO_VERIFY``) records speculative verify forwards too."""
+    TRACE.settings, TRACE.verify, TRACE.checked = settings, apply_to_verify, False
+
+
+def _writable() -> bool:
+    """Whether this process can write its trace (tested once, ``writable_settings``: one warning if not)."""
+    if not TRACE.checked:
+        TRACE.checked = True
+        TRACE.settings = writable_settings(TRACE.settings, log)
+    return TRACE.settings is not None
 
 
 @contextlib.contextmanager
 def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
     """Around one forward: decide whether it is recorded; afterwards hand its rows to the recorder. A
     forward context entered inside another (SGLang nests them around graph capture) is the same step."""
-    if TRACE.settings is None or not _recorded_mode(mode) or TRACE.depth:
+    if TRACE.settings is None or not _recorded_mode(mode) or TRACE.depth or not _writable():
         TRACE.depth += 1
         try:
             yield
