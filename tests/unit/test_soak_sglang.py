@@ -110,3 +110,18 @@ def test_started_servers_run_with_onednns_shape_cache_off_unless_kept(
                  "--out", str(tmp_path / "out"), *flags, "--", "--model", "m", "--port", "9"])
     assert code == 2 and "server exited with code 1" in capsys.readouterr().err
     assert Path(f"{fake}.env").read_text().strip() == seen
+
+
+def test_a_report_that_would_overwrite_a_traces_sidecar_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    from oea.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--python", "/bin/false", "--requests", "5", "--duration", "10", "--out", "out", "--", "--model", "m",
+              "--port", "9"]
+    assert main(["soak", "--arm", "oea=OEA_K0=3 OEA_TRACE_FILE=out/oea.safetensors", *common]) == 2
+    err = capsys.readouterr().err
+    assert "OEA_TRACE_FILE=out/oea.safetensors" in err and "out/oea-trace.safetensors" in err, err
+    assert not (tmp_path / "out").exists(), "refused before anything was started or written"
+    assert main(["soak", "--arm", "oea=OEA_K0=3 OEA_TRACE_FILE=out/oea-trace.safetensors", *common]) == 2
+    assert "server exited with code 1" in capsys.readouterr().err  # accepted: the stand-in server then fails

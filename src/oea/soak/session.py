@@ -54,6 +54,21 @@ def engine_checks(arm: Arm, shape: tuple[int, int] | None, engine: str = "vllm")
     return checks
 
 
+def check_outputs(arms: Sequence[Arm], out_dir: Path | None) -> None:
+    """``SoakError`` when a file the soak writes into ``out_dir`` (``<arm>.json``, ``soak.json``) is an arm's
+    trace sidecar (``OEA_TRACE_FILE`` with ``.json``): the report would overwrite what the trace needs."""
+    if out_dir is None:
+        return
+    written = {(out_dir / f"{a.name}.json").resolve() for a in arms} | {(out_dir / "soak.json").resolve()}
+    for arm in arms:
+        trace = arm.env.get("OEA_TRACE_FILE")
+        if trace and Path(trace).with_suffix(".json").resolve() in written:
+            sidecar = Path(trace).with_suffix(".json")
+            raise SoakError(f"--arm {arm.name}: OEA_TRACE_FILE={trace} keeps its description in {sidecar}, a file "
+                            f"--out {out_dir} writes a report to; name the trace otherwise (e.g. "
+                            f"{Path(trace).with_name(Path(trace).stem + '-trace' + Path(trace).suffix)})")
+
+
 def _stop_on_sigterm() -> Any:
     def handler(signum: int, _frame: object) -> None:  # the finally blocks stop the servers
         raise KeyboardInterrupt(f"signal {signum}")
@@ -80,6 +95,7 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
     for name in [baseline, *identical]:
         if name not in names:
             raise ValueError(f"--baseline / --identical-outputs name {name!r} is not an arm ({names})")
+    check_outputs(arms, out_dir)
     log_dir = out_dir or Path.cwd() / "oea-soak"
     reports: dict[str, dict[str, Any]] = {}
     checks: list[Check] = []
