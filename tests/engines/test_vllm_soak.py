@@ -51,6 +51,7 @@ from vllm_env import VLLM_PYTHON, server_args, server_env
 
 from oea.soak.checks import across_arms, arm_checks, read_metrics
 from oea.soak.runner import SoakConfig
+from oea.soak.servers import LEAK_CHECK_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -72,7 +73,7 @@ def _args(port: int) -> list[str]:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = server_env(extra)
+    env = server_env({**LEAK_CHECK_ENV, **extra})  # oneDNN's shape cache off, as oea soak starts servers
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     return env
 
