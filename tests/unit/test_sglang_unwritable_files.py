@@ -25,14 +25,19 @@ def _batch() -> SimpleNamespace:
                            seq_lens_cpu=lens, input_ids=torch.zeros(2))
 
 
+def _fresh(monkeypatch: pytest.MonkeyPatch, state: object) -> None:
+    """This process's plugin ``state`` (``METRICS`` or ``TRACE``) as new for this test, restored after."""
+    for field in dataclasses.fields(state):  # type: ignore[arg-type]
+        monkeypatch.setattr(state, field.name, getattr(type(state)(), field.name))
+
+
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_an_unwritable_metrics_file_is_one_warning_at_the_first_forward(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    for field in dataclasses.fields(metrics._Metrics):
-        monkeypatch.setattr(metrics.METRICS, field.name, getattr(metrics._Metrics(), field.name))
+    _fresh(monkeypatch, metrics.METRICS)
     missing = str(tmp_path / "missing" / "m.jsonl")
     caplog.set_level(logging.INFO, logger="oea.integrations.sglang")
     metrics.configure(settings_from_env({"OEA_METRICS_FILE": missing}), timing=False)
@@ -47,8 +52,7 @@ def test_an_unwritable_metrics_file_is_one_warning_at_the_first_forward(
 
 def test_a_writable_metrics_file_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          caplog: pytest.LogCaptureFixture) -> None:
-    for field in dataclasses.fields(metrics._Metrics):
-        monkeypatch.setattr(metrics.METRICS, field.name, getattr(metrics._Metrics(), field.name))
+    _fresh(monkeypatch, metrics.METRICS)
     path = str(tmp_path / "m.jsonl")
     metrics.configure(settings_from_env({"OEA_METRICS_FILE": path}), timing=False)
     with metrics.forward(_batch(), FakeMode.DECODE):
@@ -59,8 +63,7 @@ def test_a_writable_metrics_file_is_kept(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_an_unwritable_trace_is_one_warning_at_the_first_recorded_forward(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    for field in dataclasses.fields(recording._Trace):
-        monkeypatch.setattr(recording.TRACE, field.name, getattr(recording._Trace(), field.name))
+    _fresh(monkeypatch, recording.TRACE)
     recording.configure(TraceSettings(str(tmp_path / "missing" / "t.safetensors")))
     assert _warnings(caplog) == [] and recording.TRACE.settings is not None
     with recording.forward(_batch(), FakeMode.EXTEND):  # not recorded: the file is not needed yet

@@ -59,11 +59,13 @@ def check_outputs(arms: Sequence[Arm], out_dir: Path | None) -> None:
     trace sidecar (``OEA_TRACE_FILE`` with ``.json``): the report would overwrite what the trace needs."""
     if out_dir is None:
         return
+    from oea.trace_schema import sidecar_path
+
     written = {(out_dir / f"{a.name}.json").resolve() for a in arms} | {(out_dir / "soak.json").resolve()}
     for arm in arms:
         trace = arm.env.get("OEA_TRACE_FILE")
-        if trace and Path(trace).with_suffix(".json").resolve() in written:
-            sidecar = Path(trace).with_suffix(".json")
+        sidecar = sidecar_path(Path(trace)) if trace else None
+        if sidecar is not None and sidecar.resolve() in written:
             raise SoakError(f"--arm {arm.name}: OEA_TRACE_FILE={trace} keeps its description in {sidecar}, a file "
                             f"--out {out_dir} writes a report to; name the trace otherwise (e.g. "
                             f"{Path(trace).with_name(Path(trace).stem + '-trace' + Path(trace).suffix)})")
