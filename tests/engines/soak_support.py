@@ -131,6 +131,16 @@ class Soak:
         except Exception:  # reported by the tests that read this part
             self.out["errors"][name] = traceback.format_exc(limit=8)
 
+    def together(self, *parts: tuple[str, Callable[[], None]]) -> None:
+        """Run ``phase(name, run)`` for each of ``parts`` at once, one thread each, and wait for all: for
+        servers that leave a core idle while they serve (SGLang's scheduler), so that two soaks of different
+        servers share the wall time; each part's failure is kept as ``phase`` keeps it."""
+        threads = [threading.Thread(target=self.phase, args=part, name=f"soak-{part[0]}") for part in parts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
     def soak_arm(self, name: str, cfg: SoakConfig) -> None:
         server = self.servers[name]
         self.out["reports"][name] = soak_server(identify(server.base_url), cfg, os.getpgid(server.process.pid))
