@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +38,7 @@ class FakeServer(BaseHTTPRequestHandler):
     accepts_refusals = False
     short = False
     count = 0
+    kill_at: tuple[int, int] | None = None  # (POST count, pid): that process is killed when the count is reached
     input_limit = MAX_LEN - 6  # SGLang's max_req_input_len for a context length of MAX_LEN
 
     def log_message(self, *args: Any) -> None:
@@ -65,6 +68,8 @@ class FakeServer(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).count += 1
+        if self.kill_at is not None and self.count == self.kill_at[0]:
+            os.kill(self.kill_at[1], signal.SIGKILL)
         accepted = {"choices": [{"index": 0, "text": "x", "token_ids": [16], "finish_reason": "length"}],
                     "usage": {"completion_tokens": 1}}
         try:
@@ -116,12 +121,29 @@ def server() -> Any:
     FakeServer.owner, FakeServer.broken, FakeServer.count = "vllm", False, 0
     FakeServer.accepts_refusals = FakeServer.short = False
     FakeServer.input_limit = MAX_LEN - 6
+    FakeServer.kill_at = None
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
+
+
+@pytest.fixture
+def server_group() -> Any:
+    """The process group a soak watches, standing in for a real server's: (leader pid, member pid), two
+    ``sleep`` processes in a session of their own. Not the test's own group: pytest-xdist's workers and other tests' subprocesses
+    share that one and come and go during a soak, which would read as restarts of the server."""
+    leader = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; exec sleep 600"], stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    try:
+        assert leader.stdout is not None
+        yield leader.pid, int(leader.stdout.readline())
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait(timeout=10)
+        leader.stdout.close()
 
 
 def test_each_request_of_the_mix_is_the_same_whatever_the_count() -> None:
@@ -182,11 +204,12 @@ def test_only_loopback_servers_are_soaked() -> None:
             check_loopback(url)
 
 
-def test_a_soak_against_a_well_behaved_server_holds(server: str) -> None:
+def test_a_soak_against_a_well_behaved_server_holds(server: str, server_group: tuple[int, int]) -> None:
     info = identify(server)
     assert (info.engine, info.model, info.max_model_len) == ("vllm", "m", MAX_LEN)
     cfg = SoakConfig(requests=120, duration_s=60, warmup=8, max_concurrency=8, settle_s=0.1, burst_idle_s=0.05)
-    report = soak_server(info, cfg, os.getpgid(0))
+    report = soak_server(info, cfg, server_group[0])
+    assert report["pids_after_warmup"] == sorted(server_group) and report["vanished_pids"] == []
     assert report["sent"] == 120 and report["failed"] == 0, report["failures"]
     assert report["completed"] + report["refused"] + report["aborted"] == 120
     assert set(report["refused_by_status"]) <= {f"{kind} 400" for kind in REFUSALS} and report["refused"] > 0
@@ -196,6 +219,16 @@ def test_a_soak_against_a_well_behaved_server_holds(server: str) -> None:
     assert all(c.held for c in checks), [c for c in checks if not c.held]
     same = across_arms("a", {"a": report, "b": report}, identical_outputs=["b"])
     assert all(c.held for c in same)
+
+
+def test_a_process_of_the_server_that_dies_mid_soak_is_a_restart(server: str, server_group: tuple[int, int]
+                                                                  ) -> None:
+    FakeServer.kill_at = (30, server_group[1])  # after the 8 warm-up requests, before the last
+    cfg = SoakConfig(requests=60, duration_s=60, warmup=8, max_concurrency=4, probe=False, settle_s=0.0)
+    report = soak_server(identify(server), cfg, server_group[0])
+    assert report["failed"] == 0 and report["vanished_pids"] == [server_group[1]] and report["restarts"] == 1
+    restart = next(c for c in arm_checks("dies", report) if "restarts" in c.name)
+    assert not restart.held and "1 processes of the server vanished" in restart.detail
 
 
 def test_server_errors_and_accepted_refusals_are_failures(server: str) -> None:
