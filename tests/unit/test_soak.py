@@ -133,8 +133,8 @@ def server() -> Any:
 @pytest.fixture
 def server_group() -> Any:
     """The process group a soak watches, standing in for a real server's: (leader pid, member pid), two
-    ``sleep`` processes in a session of their own. Not the test's own group: pytest-xdist's workers and other tests' subprocesses
-    share that one and come and go during a soak, which would read as restarts of the server."""
+    ``sleep`` processes in a session of their own. Not the test's own group: pytest-xdist's workers and other
+    tests' subprocesses share that one and come and go during a soak, which would read as restarts."""
     leader = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; exec sleep 600"], stdout=subprocess.PIPE,
                               start_new_session=True, text=True)
     try:
