@@ -263,9 +263,10 @@ def test_metrics_rows_outside_the_bounds_are_reported() -> None:
     assert not metrics_checks("a", [good, {**good}], k0=3, top_k=8, num_experts=64)[0].held, "a repeated step"
 
 
-def test_memory_reads_every_process_of_the_group() -> None:
-    reading = memory(os.getpgid(0))
-    assert any(p["pid"] == os.getpid() for p in reading["processes"]) and reading["rss_mib"] > 10
+def test_memory_reads_every_process_of_the_group(server_group: tuple[int, int]) -> None:
+    reading = memory(server_group[0])
+    assert [(p["pid"], p["name"]) for p in reading["processes"]] == [(pid, "sleep") for pid in sorted(server_group)]
+    assert reading["rss_mib"] > 1
     for process in reading["processes"]:  # the kernel's RssAnon + RssFile + RssShmem is VmRSS
         parts = process["anon_mib"] + process["file_mib"] + process["shmem_mib"]
         assert abs(parts - process["rss_mib"]) <= 0.3 and process["anon_mib"] > 0, process
