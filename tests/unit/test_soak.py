@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,7 +141,12 @@ def server_group() -> Any:
                               start_new_session=True, text=True)
     try:
         assert leader.stdout is not None
-        yield leader.pid, int(leader.stdout.readline())
+        member = int(leader.stdout.readline())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{leader.pid}/comm").read_text().strip() != "sleep":  # sh has not exec'd yet
+            assert time.monotonic() < deadline, "the stand-in server group did not start"
+            time.sleep(0.01)
+        yield leader.pid, member
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait(timeout=10)
