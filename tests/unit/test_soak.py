@@ -9,10 +9,8 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,22 +133,21 @@ def server() -> Any:
 @pytest.fixture
 def server_group() -> Any:
     """The process group a soak watches, standing in for a real server's: (leader pid, member pid), two
-    ``sleep`` processes in a session of their own. Not the test's own group: pytest-xdist's workers and other
+    ``sleep`` processes in a process group of their own. Not the test's own group: pytest-xdist's workers and other
     tests' subprocesses share that one and come and go during a soak, which would read as restarts."""
-    leader = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; exec sleep 600"], stdout=subprocess.PIPE,
-                              start_new_session=True, text=True)
+    # Popen returns only once its child has exec'd (CPython waits on the exec error pipe), so neither process
+    # is ever seen under another name. The leader's group stays in this session so that the member may join it
+    # (setpgid into another session's group is refused); it joins before its exec.
+    leader = subprocess.Popen(["sleep", "600"], process_group=0)
+    member = None
     try:
-        assert leader.stdout is not None
-        member = int(leader.stdout.readline())
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{leader.pid}/comm").read_text().strip() != "sleep":  # sh has not exec'd yet
-            assert time.monotonic() < deadline, "the stand-in server group did not start"
-            time.sleep(0.01)
-        yield leader.pid, member
+        member = subprocess.Popen(["sleep", "600"], process_group=leader.pid)
+        yield leader.pid, member.pid
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
-        leader.wait(timeout=10)
-        leader.stdout.close()
+        for process in (leader, member):
+            if process is not None:
+                process.wait(timeout=10)
 
 
 def test_each_request_of_the_mix_is_the_same_whatever_the_count() -> None:
