@@ -428,3 +428,26 @@ def test_each_adapter_package_docstring_lists_its_modules(package):
     missing = [m for m in members if f"``{m}``" not in doc and f"``{m}.py``" not in doc
                and f"``{package}.{m}``" not in doc]
     assert not missing, f"{package}'s docstring does not name {missing}"
+
+
+def _empty_containers_at_module_level(tree: ast.Module) -> list[int]:
+    """Lines of module-level assignments of an empty dict, list or set (a process-global cache starts empty)."""
+    lines = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        empty_literal = (isinstance(value, ast.Dict) and not value.keys) or \
+            (isinstance(value, (ast.List, ast.Set)) and not value.elts)
+        empty_call = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and not value.args and \
+            not value.keywords and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict")
+        if empty_literal or empty_call:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_vllm_adapter_keeps_per_router_facts_in_its_one_state():
+    """No process-global map keyed by router id beside the one per-process ``STATE`` (``vllm/state.py``) and each
+    router's ``RouterState``: a module-level empty dict, list or set in the vLLM adapter is such a cache."""
+    found = [f"{MODULES[name].relative_to(SRC)}:{line}" for name in MODULES if _within(name, "oea.integrations.vllm")
+             and name != "oea.integrations.vllm.state"
+             for line in _empty_containers_at_module_level(ast.parse(MODULES[name].read_text()))]
+    assert not found, f"per-router or per-step caches belong on STATE or the router's RouterState: {found}"

@@ -153,7 +153,7 @@ def test_a_replaced_default_policy_rebuilds_every_layers_config(monkeypatch: pyt
     """OEA_POLICY=ep with a per-layer k0 file: when each router's EP-aware config is replaced between steps (EPLB
     rebalanced onto another placement, or a reload hands the layer a new policy), the next step routes every
     layer with the new placement and the layer's own k0, never with a config cached from the old one."""
-    import oea.integrations.vllm.placement as placement
+    from oea.integrations.vllm.router_state import router_state
 
     state = _state(monkeypatch, {"OEA_K0": "2", "OEA_POLICY": "ep",
                                  "OEA_LAYER_K0_FILE": _file(tmp_path, (1, 3, 6), min_batch=2)})
@@ -161,7 +161,7 @@ def test_a_replaced_default_policy_rebuilds_every_layers_config(monkeypatch: pyt
     interleaved = ExpertPlacement(torch.arange(N) % 4, 4)  # expert e on device e mod 4
     for placement_now in (contiguous, interleaved, contiguous):
         for i in range(LAYERS):
-            monkeypatch.setitem(placement.CONFIGS.configs, i, EPOEAConfig(2, placement_now))
+            router_state(i).ep = EPOEAConfig(2, placement_now)  # what placement.CONFIGS builds and refreshes
         for layer, (x, weights, ids) in enumerate(_cpu_step(state, 12, seed=40)):
             want = route(x, CPURouter(num_experts=N, top_k=K).spec(),
                          EPOEAConfig((1, 3, 6)[layer], placement_now, min_batch=2))

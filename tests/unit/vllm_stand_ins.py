@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import oea.integrations.vllm as plugin
-import oea.integrations.vllm.routing as plugin_routing
 import oea.integrations.vllm.state as plugin_state
 from oea.config import settings_from_env
 from oea.routing import RouterSpec, route
@@ -72,9 +71,6 @@ def swap_state(monkeypatch: pytest.MonkeyPatch, state: plugin_state.State) -> pl
 def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: Any | None = None
                 ) -> plugin_state.State:
     """Plugin state as ``register()`` + ``Worker.load_model`` leave it, with ``router`` as router 0."""
-    # the hot path's per-step row cache is keyed by id(settings): a settings object freed by an earlier test can
-    # hand its id to this one, and with it that test's padding mask
-    monkeypatch.setattr(plugin_routing, "_STEP_ROWS", {})
     state = plugin_state.State(settings=settings_from_env(env), mode="oea")
     state.originals["CPURouter"] = lambda self, hidden_states, router_logits, indices_type, **_: \
         self.route_stock(router_logits)

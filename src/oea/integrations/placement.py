@@ -15,7 +15,7 @@ Engine-free: the adapters read the engine's tensors and call these functions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,8 +97,10 @@ class EPLayerConfigs:
 
     read: Callable[[Any], tuple[ExpertPlacement | None, str]]
     log: logging.Logger | None = None  # where ``refresh`` says what changed
-    configs: dict[Any, EPOEAConfig] = field(default_factory=dict)
-    details: dict[Any, str] = field(default_factory=dict)
+    # layer key -> its config / the placement read (or why none): a dict, or the adapter's view of its own
+    # per-layer objects (vLLM keeps both on each router's state)
+    configs: MutableMapping[Any, EPOEAConfig] = field(default_factory=dict)
+    details: MutableMapping[Any, str] = field(default_factory=dict)
 
     def build(self, key: Any, cfg: OEAConfig) -> EPOEAConfig | str:
         """The layer's EP-aware config, or the reason it keeps plain OEA (the detail of ``read``)."""

@@ -13,10 +13,13 @@ layers of the model, in model order.
 * OEA off (``default`` is None): None everywhere; the file alone does not turn OEA on.
 
 An adapter's own config for a layer (EP-aware OEA on the engine's placement: ``base``) takes the layer's
-k0 and ``min_batch`` the same way. The file's entry for a layer is found by the engine's decoder-layer id
-when the file lists ``layer_ids``, else by the layer's position among the model's MoE layers (an engine
-that only knows the decoder-layer id passes it as the position: the two agree on models whose every layer
-is MoE).
+k0 and ``min_batch`` the same way, composed here once for every engine (``LayerConfigs.config(index, rows,
+base)``, ``with_layer_k0``): each adapter builds the layer's base (``OEA_K0``'s config, or its ``EPOEAConfig``
+on the placement) and asks for the call's config; none replaces fields itself. EP-aware OEA has no
+``max_experts``: an adapter under ``OEA_POLICY=ep`` warns once with ``EP_IGNORES_MAX_EXPERTS``.
+The file's entry for a layer is found by the engine's decoder-layer id when the file lists ``layer_ids``, else
+by the layer's position among the model's MoE layers (an engine that only knows the decoder-layer id passes it
+as the position: the two agree on models whose every layer is MoE).
 
 ``check_model`` says whether the settings fit a model, in the words every adapter reports
 (``k0_error`` and the messages below): an adapter that sees the model before serving stops there; one
@@ -33,6 +36,7 @@ from oea.routing.schedules import AdaptiveK0Config, LayerK0Schedule
 from oea.routing.spec import GroupFill, OEAConfig, RouterSpec
 
 LAYER_FILE_VARIABLE = "OEA_LAYER_K0_FILE"
+EP_IGNORES_MAX_EXPERTS = "OEA_MAX_EXPERTS is not used by EP-aware OEA (OEA_POLICY=ep)"  # every adapter's words
 
 
 def k0_error(variable: str, k0: int, top_k: int) -> str:

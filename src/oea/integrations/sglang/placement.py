@@ -18,7 +18,6 @@ be read, or a run without expert parallelism, keeps plain OEA with one warning p
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from typing import Any
 
@@ -26,11 +25,11 @@ from oea.integrations.placement import EPLayerConfigs, describe_placement, place
 from oea.integrations.runtime import call_after, graph_capturing
 from oea.integrations.sglang.state import STATE, log, warn_once
 from oea.routing import EPOEAConfig, ExpertPlacement, OEAConfig
+from oea.routing.layered import EP_IGNORES_MAX_EXPERTS
 
 LOCATION_MODULE = "sglang.srt.eplb.expert_location"
 
 _DEVICE: dict[str, Any] = {"device": None, "metadata": None}
-_VARIANTS: dict[tuple[Any, int, int, str], EPOEAConfig] = {}  # per-layer k0 (OEA_LAYER_K0_FILE) on a placement
 
 
 def read_layer_placement(layer_id: Any) -> tuple[ExpertPlacement | None, str]:
@@ -84,9 +83,10 @@ refresh = CONFIGS.refresh  # reread the placements after SGLang updated its meta
 
 
 def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = None) -> OEAConfig | EPOEAConfig:
-    """The layer's routing config under ``OEA_POLICY=ep``: ``cfg`` as ``EPOEAConfig`` on the layer's placement
-    (read on ``device`` at the layer's first eager call), or ``cfg`` itself (plain OEA) when the policy is
-    ``oea`` or the layer has no usable placement."""
+    """The layer's base config under ``OEA_POLICY=ep``: ``cfg`` (``OEA_K0``'s) as ``EPOEAConfig`` on the layer's
+    placement (read on ``device`` at the layer's first eager call), or ``cfg`` itself (plain OEA) when the policy
+    is ``oea`` or the layer has no usable placement. The layer's k0 (``OEA_LAYER_K0_FILE``) is composed on it by
+    ``oea.routing.LayerConfigs.config``, as in vLLM."""
     settings = STATE.settings
     if settings is None or settings.policy != "ep":
         return cfg
@@ -96,7 +96,6 @@ def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = Non
         _DEVICE["metadata"] = meta
         CONFIGS.configs.clear()
         CONFIGS.details.clear()
-        _VARIANTS.clear()
     built = CONFIGS.configs.get(layer_id)
     if built is None and layer_id not in CONFIGS.details:
         if capturing:
@@ -116,18 +115,16 @@ def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = Non
         warn_once(f"ep-size:{layer_id}", f"OEA_POLICY=ep: layer {layer_id} routes {num_experts} experts but its "
                                          f"placement has {built.placement.device_of_expert.numel()}; plain OEA")
         return cfg
-    if (built.k0, built.min_batch, built.group_fill) != (cfg.k0, cfg.min_batch, cfg.group_fill):
-        key = (layer_id, cfg.k0, cfg.min_batch, cfg.group_fill)
-        if key not in _VARIANTS:
-            _VARIANTS[key] = dataclasses.replace(built, k0=cfg.k0, min_batch=cfg.min_batch, group_fill=cfg.group_fill)
-        built = _VARIANTS[key]
     return built
 
 
 def install() -> list[str]:
     """``OEA_POLICY=ep``: wrap ``ExpertLocationMetadata.update`` so that an EPLB rebalance rereads the placements."""
-    if STATE.settings is None or STATE.settings.policy != "ep":
+    settings = STATE.settings
+    if settings is None or settings.policy != "ep":
         return []
+    if settings.oea is not None and settings.max_experts is not None:
+        warn_once("ep-max-experts", EP_IGNORES_MAX_EXPERTS)
     try:
         metadata = importlib.import_module(LOCATION_MODULE).ExpertLocationMetadata
     except (ImportError, AttributeError) as err:

@@ -26,7 +26,7 @@ from oea.config import TraceSettings
 from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
 from oea.integrations.recording_common import recording_meta, writable_settings
 from oea.integrations.runtime import graph_capturing, process_rank
-from oea.integrations.sglang.state import log, warn_once
+from oea.integrations.sglang.state import decode_or_verify, log, warn_once
 from oea.routing import RouterSpec
 from oea.trace_schema import routes_alike
 
@@ -88,12 +88,8 @@ def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
 
 
 def _recorded_mode(mode: Any) -> bool:
-    """DECODE forwards (and TARGET_VERIFY ones with OEA_APPLY_TO_VERIFY=1, as the rewrite)."""
-    def holds(name: str) -> bool:
-        predicate = getattr(mode, name, None)
-        return bool(predicate()) if callable(predicate) else False
-
-    return holds("is_decode") or (TRACE.verify and holds("is_target_verify"))
+    """The forwards the rewrite reroutes (``state.decode_or_verify``, with the verify setting given at start-up)."""
+    return decode_or_verify(mode, TRACE.verify)
 
 
 def stage(layer_id: Any, router_logits: torch.Tensor, spec: RouterSpec | str) -> None:

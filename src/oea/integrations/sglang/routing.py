@@ -135,10 +135,14 @@ def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
             warn_once(f"unsupported:{spec}", unsupported_layer_message(layer_id, spec)
                       + " (further layers with this routing: silently)")
             return None
-        cfg = _layer_config(settings.oea, router_logits.shape[0], layer_id)
-        if cfg is None:
+        # 1. the config for these rows: the layer's base (OEA_K0's, or EP-aware on SGLang's placement) with its
+        # k0 from OEA_LAYER_K0_FILE, composed by the core as in every engine
+        entry = _layer_entry(layer_id)
+        if entry is False:
             return None
-        cfg = ep_config(cfg, spec.num_experts, layer_id, router_logits.device)  # OEA_POLICY=ep: SGLang's placement
+        base = ep_config(settings.oea, spec.num_experts, layer_id, router_logits.device)
+        cfg = _layer_configs().config(entry, router_logits.shape[0], base)
+        # 2. keep SGLang's routing where OEA changes nothing
         if keeps_every_top_k(cfg, spec):
             return None
         result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
@@ -159,21 +163,20 @@ def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
     return args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}
 
 
-def _layer_config(default: OEAConfig, rows: int, layer_id: int | None) -> OEAConfig | None:
-    """The config of layer ``layer_id`` for a call of ``rows`` rows (``oea.routing.LayerConfigs``: its k0 and
-    ``min_batch`` from ``OEA_LAYER_K0_FILE``, by batch size where the file says), else ``default`` (OEA_K0).
-    None when the file has no entry for the layer: it keeps SGLang's routing, with one warning."""
+def _layer_entry(layer_id: int | None) -> int | bool | None:
+    """Layer ``layer_id``'s entry of ``OEA_LAYER_K0_FILE`` (None without a file); False when the file has no entry
+    for the layer: it keeps SGLang's routing, with one warning."""
     configs = _layer_configs()
     if configs.schedule is None:
-        return default
+        return None
     try:
         index = STATE.layer_index[layer_id] if layer_id in STATE.layer_index else \
             STATE.layer_index.setdefault(layer_id, configs.index(layer_id=layer_id))
     except ValueError as err:
         STATE.layer_index[layer_id] = None
         warn_once(f"layer-k0-missing:{layer_id}", unsupported_layer_message(layer_id, str(err)))
-        return None
-    return None if index is None else configs.config(index, rows)
+        return False
+    return False if index is None else index
 
 
 def _layer_configs() -> LayerConfigs:

@@ -74,13 +74,17 @@ def decode_active() -> bool:
 
 
 def mode_rerouted(mode: Any) -> bool:
-    """Whether OEA reroutes forwards in ``mode``: DECODE, and TARGET_VERIFY with OEA_APPLY_TO_VERIFY=1."""
+    """Whether OEA reroutes forwards in ``mode`` under this process's settings (``decode_or_verify``)."""
+    settings = STATE.settings
+    return decode_or_verify(mode, bool(settings and settings.apply_to_verify))
+
+
+def decode_or_verify(mode: Any, apply_to_verify: bool) -> bool:
+    """Whether ``mode`` (a ``ForwardMode``, None outside a forward) is DECODE, or TARGET_VERIFY with
+    ``apply_to_verify`` (OEA_APPLY_TO_VERIFY=1): the forwards OEA rewrites and the recorder records."""
     if mode is None:
         return False
-    if _call_predicate(mode, "is_decode"):
-        return True
-    settings = STATE.settings
-    return bool(settings and settings.apply_to_verify and _call_predicate(mode, "is_target_verify"))
+    return _call_predicate(mode, "is_decode") or (apply_to_verify and _call_predicate(mode, "is_target_verify"))
 
 
 def _call_predicate(mode: Any, name: str) -> bool:

@@ -26,6 +26,8 @@ One job per file:
 * ``recording.py``: ``OEA_TRACE_FILE``, the vLLM side of ``oea.integrations.recorder``;
 * ``speculative.py``: speculative verify steps (``OEA_APPLY_TO_VERIFY``): the drafts each request carried;
 * ``targets.py``: the vLLM names and parameters the plugin relies on (checked against the released wheels);
+* ``router_state.py``: one ``RouterState`` per numbered router, on the router (spec, layer-file entry, EP-aware
+  config, kernel and buffers, trace slot, failed flag), and ``RouterCall``, one routing call's steps;
 * ``state.py``: the per-process state the others share;
 * ``doctor.py``: ``oea doctor vllm``.
 

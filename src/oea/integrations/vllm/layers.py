@@ -3,8 +3,9 @@ batch-size range: the vLLM side of ``oea.routing.LayerConfigs``.
 
 ``load`` (model load) builds the layers' configs for the model's MoE routers (router id = MoE layer position,
 in model order; the decoder-layer number is read from the layer's name for files that list ``layer_ids``) and
-stops start-up naming the variable when the settings do not fit the model. ``layer_config`` is what the hot
-path asks for each routing call. M is the call's row count: on CPU the custom op sees it on every call; under
+stops start-up naming the variable when the settings do not fit the model. The hot path asks each router's
+``router_state.RouterState.config`` (the router's file entry is kept there); ``layer_config`` gives the same
+answer for any base config. M is the call's row count: on CPU the custom op sees it on every call; under
 CUDA graphs it is the captured graph's (padded) batch size, a static shape, so the choice is made when the
 graph is captured and costs nothing at replay (no host synchronisation).
 """
@@ -15,6 +16,7 @@ import re
 from typing import Any
 
 from oea.config import layer_configs
+from oea.integrations.vllm.router_state import router_state
 from oea.integrations.vllm.state import STATE, log
 from oea.routing import RouterSpec
 
@@ -29,7 +31,9 @@ def load(specs: list[RouterSpec | None]) -> None:
     layer; nothing happens when OEA is off.
     """
     settings = STATE.settings
-    STATE.layers, STATE.layer_index = None, {}
+    STATE.layers = None
+    for router_id in range(min(len(specs), len(STATE.routers))):
+        router_state(router_id).layer_entry = None
     if settings is None or settings.oea is None:
         return
     configs = layer_configs(settings)
@@ -37,8 +41,10 @@ def load(specs: list[RouterSpec | None]) -> None:
         if spec is not None:
             configs.check_model(spec.num_experts, spec.top_k, len(specs) if configs.schedule is not None else None)
     if configs.schedule is not None:
-        STATE.layer_index = {router_id: configs.index(layer_id=layer_number(name), position=router_id)
-                             for router_id, name in enumerate(_names(len(specs)))}
+        entries = [configs.index(layer_id=layer_number(name), position=router_id)
+                   for router_id, name in enumerate(_names(len(specs)))]
+        for router_id, entry in enumerate(entries[:len(STATE.routers)]):
+            router_state(router_id).layer_entry = entry
         log.info("oea: per-layer k0 from OEA_LAYER_K0_FILE=%s: %s", settings.layer_k0_file, configs.describe())
     STATE.layers = configs
 
@@ -62,4 +68,4 @@ def layer_config(router_id: int | None, rows: int, default: Any) -> Any:
     configs = STATE.layers
     if configs is None or default is None or router_id is None:
         return default
-    return configs.config(STATE.layer_index.get(router_id), rows, default)
+    return configs.config(router_state(router_id).layer_entry, rows, default)

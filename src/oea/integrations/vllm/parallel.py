@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from oea.integrations.vllm.state import STATE, warn_once
 
-_CACHE: dict[str, tuple[tuple[int, int], bool]] = {}
-
 
 def gathered_across_dp(rows: int) -> bool:
     """True when this routing call holds every DP rank's rows (logits gathered before routing).
@@ -25,11 +23,11 @@ def gathered_across_dp(rows: int) -> bool:
     Read from the forward context's ``dp_metadata`` (tokens per DP rank) once per step and row count.
     """
     key = (STATE.step, rows)
-    cached = _CACHE.get("value")
+    cached = STATE.dp_gathered
     if cached is not None and cached[0] == key:
         return cached[1]
     gathered = _gathered(rows)
-    _CACHE["value"] = (key, gathered)
+    STATE.dp_gathered = (key, gathered)
     if gathered:
         warn_once("dp-gathered", "vLLM gathers the router logits of every data-parallel rank before routing "
                                  "(naive DP dispatch); ranks can be in different phases, so these layers keep "

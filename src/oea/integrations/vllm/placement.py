@@ -15,23 +15,55 @@ Without expert parallelism (EP size 1), and with several data-parallel ranks (ea
 the ranks would all fill the same idle EP ranks and the busiest one could grow), every layer keeps plain OEA
 with one warning. When EPLB rebalances
 (``EplbState.rearrange`` / ``update_mapping``, wrapped by ``install_rebalance_hook``) the placements are
-reread right after it, between steps, and updated in place. ``routing.py`` asks ``config_for(router_id)``.
+reread right after it, between steps, and updated in place. Each router's EP-aware config and the placement's
+description are kept on its ``router_state.RouterState`` (``ep``, ``ep_detail``); ``CONFIGS`` reads and writes
+them there by router id, and ``config_for(router_id)`` is the router's base config.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
 
 from oea.integrations.placement import EPLayerConfigs, describe_placement, placement_from_slots
 from oea.integrations.runtime import call_after
+from oea.integrations.vllm.router_state import router_state
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.routing import EPOEAConfig, ExpertPlacement, OEAConfig, RouterSpec, max_device_active_experts, route
+from oea.routing.layered import EP_IGNORES_MAX_EXPERTS
 
 EPLB_HOOKS = ("rearrange", "update_mapping")  # EplbState methods that change the logical->physical map
 
-_LAYERS: dict[int, tuple[Any, Any]] = {}  # router id -> (MoE layer, router)
+
+class _RouterField(MutableMapping[int, Any]):
+    """Router id -> one field of the numbered routers' ``RouterState`` (routers where it is set): the storage of
+    ``EPLayerConfigs``, which then keeps nothing of its own."""
+
+    def __init__(self, name: str, unset: Any) -> None:
+        self.name, self.unset = name, unset
+
+    def __getitem__(self, router_id: int) -> Any:
+        if not 0 <= router_id < len(STATE.routers):
+            raise KeyError(router_id)
+        value = getattr(router_state(router_id), self.name)
+        if value == self.unset:
+            raise KeyError(router_id)
+        return value
+
+    def __setitem__(self, router_id: int, value: Any) -> None:
+        setattr(router_state(router_id), self.name, value)
+
+    def __delitem__(self, router_id: int) -> None:
+        self[router_id]  # KeyError when unset
+        setattr(router_state(router_id), self.name, self.unset)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([i for i in range(len(STATE.routers)) if getattr(router_state(i), self.name) != self.unset])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def read_layer_placement(layer: Any, router: Any) -> tuple[ExpertPlacement | None, str]:
@@ -83,9 +115,9 @@ def setup(routers: list[tuple[int, Any, Any]]) -> None:
     if settings is None or settings.oea is None or settings.policy != "ep":
         return
     if settings.max_experts is not None:
-        warn_once("ep-max-experts", "OEA_MAX_EXPERTS is not used by EP-aware OEA (OEA_POLICY=ep)")
+        warn_once("ep-max-experts", EP_IGNORES_MAX_EXPERTS)
     for router_id, layer, router in routers:
-        _LAYERS[router_id] = (layer, router)
+        router_state(router_id).layer = layer
         built = CONFIGS.build(router_id, settings.oea)
         name = getattr(router, "_oea_layer", router_id)
         if isinstance(built, str):
@@ -97,10 +129,7 @@ def setup(routers: list[tuple[int, Any, Any]]) -> None:
 
 def config_for(router_id: int) -> Any:
     """The routing config of a router: its ``EPOEAConfig`` under ``OEA_POLICY=ep``, else ``OEA_K0``'s."""
-    ep_cfg = CONFIGS.configs.get(router_id)
-    if ep_cfg is not None:
-        return ep_cfg
-    return STATE.settings.oea if STATE.settings is not None else None
+    return router_state(router_id).base_config()
 
 
 def install_rebalance_hook() -> list[str]:
@@ -114,11 +143,10 @@ def install_rebalance_hook() -> list[str]:
 
 
 def _read(router_id: int) -> tuple[ExpertPlacement | None, str]:
-    layer, router = _LAYERS[router_id]
-    return read_layer_placement(layer, router)
+    return read_layer_placement(router_state(router_id).layer, STATE.routers[router_id])
 
 
-CONFIGS = EPLayerConfigs(_read, log)
+CONFIGS = EPLayerConfigs(_read, log, configs=_RouterField("ep", None), details=_RouterField("ep_detail", ""))
 refresh = CONFIGS.refresh  # reread every EP layer's placement (vLLM rebalanced); logs what changed
 
 

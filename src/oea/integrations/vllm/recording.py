@@ -22,6 +22,7 @@ from oea.config import TraceSettings
 from oea.integrations.recorder import StepStaging, open_recorder, rank_path
 from oea.integrations.recording_common import recording_meta
 from oea.integrations.runtime import process_rank
+from oea.integrations.vllm.router_state import RouterState, router_state
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.trace_schema import routes_alike
 
@@ -57,15 +58,16 @@ def start_recording(settings: TraceSettings, model_runner: Any, device: torch.de
     recorder = open_recorder(settings, path, first, staging, meta, log)
     if recorder is None:
         return
-    STATE.trace_slots = {router_id: slot for slot, (router_id, _) in enumerate(recorded)}
+    for slot, (router_id, _) in enumerate(recorded):
+        router_state(router_id).trace_slot = slot
     STATE.recorder = recorder
     log.info("oea: recording %s of decode steps (%d MoE layers, up to %d rows per step) to %s",
              f"{settings.sample:.0%}", len(recorded), capacity, path)
 
 
-def stage(router_id: int, router_logits: torch.Tensor) -> None:
+def stage(state: RouterState, router_logits: torch.Tensor) -> None:
     """One routing call of a recorded step: its [M, N] logits into the staging buffer (graph-safe)."""
-    slot = STATE.trace_slots.get(router_id)
+    slot = state.trace_slot
     if slot is not None and STATE.recorder is not None:
         STATE.recorder.staging.stage(slot, router_logits)
 

@@ -11,9 +11,11 @@
   CUDA, else ``oea.route``). Inside a compiled graph the CUDA path is the custom op ``oea::gpu_route``
   (opaque to Dynamo, captured into CUDA graphs); other traced code uses ``oea.route``.
 
+Each call runs the same numbered steps, its facts in one ``RouterCall``: 1. the config for these rows
+(resolved once, ``RouterState.config``), 2. keep vLLM's routing?, 3. the real rows, 4. OEA, 5. splice.
 Fixed costs are paid once per step or once per router, not per layer call: the padding lookup and the
-valid-row count (``step_rows``, cached for the step), the kernel's packed parameters (``NumbaRouter`` per
-router) and the output buffers (one pair per router and row count, reused every step).
+valid-row count (``step_rows``, cached for the step), the kernel's packed parameters (``NumbaRouter``) and
+the output buffers (one pair per row count, reused every step), both on the router's ``RouterState``.
 """
 
 from __future__ import annotations
@@ -26,20 +28,14 @@ import torch
 import oea.integrations.vllm.recording as recording
 from oea.integrations.metrics import routed_hash
 from oea.integrations.runtime import tracing
-from oea.integrations.vllm.layers import layer_config
 from oea.integrations.vllm.parallel import gathered_across_dp
-from oea.integrations.vllm.placement import config_for
+from oea.integrations.vllm.router_state import RouterCall, RouterState, router_state
 from oea.integrations.vllm.state import STATE, warn_once
 from oea.kernels import NumbaRouter, plan, route_fast
 from oea.routing import RouterSpec, active_experts, keeps_every_top_k, route, splice_routed_columns
 
 OP_NAME = "oea::cpu_route"
 GPU_OP_NAME = "oea::gpu_route"
-
-# Per-process caches of the hot path (kept here, next to their only reader).
-_STEP_ROWS: dict[str, Any] = {}  # "key": (step, rows, settings), "value": (valid or None, number of valid rows)
-_CPU_ROUTERS: dict[int, tuple[Any, Any, NumbaRouter | None]] = {}  # id -> (settings, spec, kernel or None)
-_BUFFERS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (router id, rows) -> (weights, ids)
 
 
 def _valid_rows(num_rows: int) -> torch.Tensor | None:
@@ -62,48 +58,54 @@ def step_rows(rows: int) -> tuple[torch.Tensor | None, int]:
     """(valid [M] bool or None, number of valid rows) of this step's router calls: the forward context's
     padding is looked up once per step (every MoE layer of a step sees the same rows)."""
     key = (STATE.step, rows, id(STATE.settings))
-    if _STEP_ROWS.get("key") != key:
+    cached = STATE.step_rows
+    if cached is None or cached[0] != key:
         valid = _valid_rows(rows)
-        _STEP_ROWS["key"], _STEP_ROWS["value"] = key, (valid, rows if valid is None else int(valid.sum()))
-    return _STEP_ROWS["value"]
+        cached = STATE.step_rows = (key, (valid, rows if valid is None else int(valid.sum())))
+    return cached[1]
 
 
-def _cpu_router(router_id: int, spec: RouterSpec, router_logits: torch.Tensor, cfg: Any) -> NumbaRouter | None:
+def _cpu_kernel(state: RouterState, spec: RouterSpec, router_logits: torch.Tensor, cfg: Any) -> NumbaRouter | None:
     """The router's prepared numba kernel for ``cfg`` (None: only ``oea.route`` reproduces it), made once per
     config (a per-batch-size k0 gives a router one config per k0)."""
-    cached = _CPU_ROUTERS.get(router_id)
-    if cached is None or cached[0] is not cfg or cached[1] is not spec:
+    key = state.kernel_key
+    if key is None or key[0] is not cfg or key[1] is not spec:
         impl, params = plan(router_logits, spec, cfg)
-        kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
+        state.kernel = NumbaRouter(params, spec.correction_bias, spec.num_experts) if (
             impl == "numba" and params is not None) else None
-        cached = _CPU_ROUTERS[router_id] = (cfg, spec, kernel)
-    return cached[2]
+        state.kernel_key = (cfg, spec)
+    return state.kernel
 
 
 def router_config(router_id: int | None, rows: int) -> Any:
-    """The routing config of one call of ``rows`` rows: the router's, with ``OEA_LAYER_K0_FILE``'s k0 for its
-    layer and batch size (``layers.layer_config``)."""
-    return layer_config(router_id, rows, config_for(router_id))
+    """The routing config of one call of ``rows`` rows: the router's (``RouterState.config``: EP-aware or
+    ``OEA_K0``'s, with ``OEA_LAYER_K0_FILE``'s k0 for its layer and batch size); ``OEA_K0``'s for an
+    unnumbered router."""
+    if router_id is None:
+        return STATE.settings.oea if STATE.settings is not None else None
+    return router_state(router_id).config(rows)
 
 
 def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Tensor | None,
-                  router_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  router_id: int | None = None, cfg: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """OEA for one vLLM router call: [M, N] logits -> (weights [M, k] float32, ids [M, k] int32).
 
-    CPU routers with an id take their prepared numba kernel and write into the router's buffers for this
-    row count (reused every step); code that Dynamo traces uses ``oea::gpu_route`` on CUDA and
-    ``oea.route`` elsewhere; everything else goes through ``route_fast``. The config is the router's
-    (``placement.config_for``: ``EPOEAConfig`` under ``OEA_POLICY=ep``, else ``OEA_K0``'s).
+    ``cfg``: the call's config when the caller resolved it (default: ``router_config``). CPU routers with an id
+    take their prepared numba kernel and write into the router's buffers for this row count (reused every
+    step); code that Dynamo traces uses ``oea::gpu_route`` on CUDA and ``oea.route`` elsewhere; everything else
+    goes through ``route_fast``.
     """
-    cfg = router_config(router_id, router_logits.shape[0])
+    rows = router_logits.shape[0]
+    if cfg is None:
+        cfg = router_config(router_id, rows)
     if router_id is not None and router_logits.device.type == "cpu" and not torch.compiler.is_compiling():
-        kernel = _cpu_router(router_id, spec, router_logits, cfg)
+        state = router_state(router_id)
+        kernel = _cpu_kernel(state, spec, router_logits, cfg)
         if kernel is not None:
-            key = (router_id, router_logits.shape[0])
-            buffers = _BUFFERS.get(key)
+            buffers = state.buffers.get(rows)
             if buffers is None:
-                rows, k = router_logits.shape[0], spec.top_k
-                buffers = _BUFFERS[key] = (torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int32))
+                buffers = state.buffers[rows] = (torch.empty(rows, spec.top_k),
+                                                 torch.empty(rows, spec.top_k, dtype=torch.int32))
             ids, weights = kernel(router_logits, valid, buffers[1], buffers[0])
             return weights, ids
     if torch.compiler.is_compiling():
@@ -119,16 +121,15 @@ def oea_route_for(spec: RouterSpec, router_logits: torch.Tensor, valid: torch.Te
 def define_gpu_op() -> None:
     """Define ``oea::gpu_route`` once per process: ``route_fast`` (Triton on CUDA) as an op Dynamo does not
     trace into, so a compiled model runs the kernel and CUDA-graph capture records its launches."""
-    if STATE.originals.get("_gpu_op_defined"):
+    if STATE.gpu_op_defined:
         return
-    STATE.originals["_gpu_op_defined"] = True
+    STATE.gpu_op_defined = True
 
     @torch.library.custom_op(GPU_OP_NAME, mutates_args=())
     def gpu_route(router_logits: torch.Tensor, valid: torch.Tensor | None, router_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = STATE.specs[router_id]
-        cfg = router_config(router_id, router_logits.shape[0])
-        ids, weights = route_fast(router_logits, spec, cfg, valid)  # type: ignore[arg-type]
+        state = router_state(router_id)
+        ids, weights = route_fast(router_logits, state.spec, state.config(router_logits.shape[0]), valid)  # type: ignore[arg-type]
         return weights, ids.to(torch.int32)
 
     @gpu_route.register_fake
@@ -142,9 +143,9 @@ def define_gpu_op() -> None:
 
 def define_cpu_op() -> None:
     """Define ``oea::cpu_route`` once per process (opaque to Dynamo; its body runs every forward)."""
-    if STATE.originals.get("_op_defined"):
+    if STATE.cpu_op_defined:
         return
-    STATE.originals["_op_defined"] = True
+    STATE.cpu_op_defined = True
 
     @torch.library.custom_op(OP_NAME, mutates_args=())
     def cpu_route(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_ids: torch.Tensor,
@@ -160,8 +161,11 @@ def define_cpu_op() -> None:
 def keep_stock_after_error(router_id: int, err: Exception) -> None:
     """A layer whose OEA routing raised keeps vLLM's routing from now on (one warning per layer): an engine
     hook never takes the server down."""
-    STATE.failed_routers.add(router_id)
-    layer = getattr(STATE.routers[router_id], "_oea_layer", router_id) if router_id < len(STATE.routers) else router_id
+    layer: Any = router_id
+    if router_id < len(STATE.routers):
+        state = router_state(router_id)
+        state.failed = True
+        layer = state.name
     warn_once(f"raised:{router_id}", f"layer {layer}: OEA's routing raised {type(err).__name__}: {err}; the layer "
                                      "keeps vLLM's routing from now on, serving continues")
 
@@ -187,44 +191,55 @@ def _cpu_route(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_i
     (``OEA_TIMING=1``) covers OEA's routing including its padding lookup and ``min_batch`` test; for
     stock steps it times an eager re-run of vLLM's ``_compute_routing`` on the same logits.
     """
-    router, spec = STATE.routers[router_id], STATE.specs[router_id]
-    rows = router_logits.shape[0]
+    state = router_state(router_id)
+    spec = state.spec
+    call = RouterCall(state, router_logits.shape[0])
     if STATE.trace_step:
-        recording.stage(router_id, router_logits)  # the router's own logits, before any rewrite
-    cfg = router_config(router_id, rows)
-    rewrite = STATE.decode and cfg is not None and spec is not None and not keeps_every_top_k(cfg, spec) and \
-        router_id not in STATE.failed_routers
+        recording.stage(state, router_logits)  # the router's own logits, before any rewrite
+    # 1. the config for these rows
+    call.cfg = state.config(call.rows)
+    # 2. keep vLLM's routing? (not a decode step, OEA off or a no-op here, the layer failed before)
+    call.rewrite = STATE.decode and call.cfg is not None and spec is not None and \
+        not keeps_every_top_k(call.cfg, spec) and not state.failed
     start = time.perf_counter() if STATE.timing else 0.0
-    valid = None
-    if rewrite:
-        valid, num_valid = step_rows(rows)
-        rewrite = num_valid >= cfg.min_batch and not gathered_across_dp(rows)  # type: ignore[union-attr]
-    if rewrite:
-        weights, ids = oea_route_for(spec, router_logits, valid, router_id)  # type: ignore[arg-type]
-        elapsed_us = (time.perf_counter() - start) * 1e6 if STATE.timing else 0.0
+    if call.rewrite:
+        # 3. the real rows: enough of them for OEA_MIN_BATCH, and this rank's own (not gathered across DP)
+        call.valid, call.num_valid = step_rows(call.rows)
+        call.rewrite = call.num_valid >= call.cfg.min_batch and not gathered_across_dp(call.rows)
+    if call.rewrite:
+        # 4. OEA; 5. its output replaces vLLM's (the op returns it)
+        weights, ids = oea_route_for(spec, router_logits, call.valid, router_id, cfg=call.cfg)  # type: ignore[arg-type]
+        call.elapsed_us = (time.perf_counter() - start) * 1e6 if STATE.timing else 0.0
     else:
         weights, ids = stock_weights.clone(), stock_ids.clone()  # a custom op may not return its inputs
-        elapsed_us = 0.0
         if STATE.timing and STATE.record is not None:
             start = time.perf_counter()
-            STATE.originals["CPURouter"](router, None, router_logits, None)
-            elapsed_us = (time.perf_counter() - start) * 1e6
-    record = STATE.record
+            STATE.originals["CPURouter"](STATE.routers[router_id], None, router_logits, None)
+            call.elapsed_us = (time.perf_counter() - start) * 1e6
+    _count(call, weights, ids, stock_weights, stock_ids)
+    return weights, ids
+
+
+def _count(call: RouterCall, weights: torch.Tensor, ids: torch.Tensor, stock_weights: torch.Tensor,
+           stock_ids: torch.Tensor) -> None:
+    """The call into this step's ``OEA_METRICS_FILE`` record ([M, k] outputs, OEA's and vLLM's), or into the
+    rows routed outside any engine step."""
+    record, router_id, rows = STATE.record, call.state.router_id, call.rows
     if record is not None:
-        if valid is None and not rewrite:
+        valid = call.valid
+        if valid is None and not call.rewrite:
             valid = step_rows(rows)[0]
         record.rows = rows if valid is None else int(valid.sum())
         record.padding_rows = rows - record.rows
-        record.oea = record.oea and rewrite
+        record.oea = record.oea and call.rewrite
         record.routed[router_id] = routed_hash(ids, weights, valid)
         record.active[router_id] = active_experts(ids, weights, valid)
-        if cfg is not None:  # counted from vLLM's own output on every step, so a wrongly rewritten step shows
+        if call.cfg is not None:  # counted from vLLM's own output on every step, so a wrongly rewritten step shows
             record.active_stock[router_id] = active_experts(stock_ids, stock_weights, valid)
         if STATE.timing:
-            record.routing_us[router_id] = elapsed_us
+            record.routing_us[router_id] = call.elapsed_us
     elif STATE.metrics is not None and router_id == next(i for i, s in enumerate(STATE.specs) if s is not None):
         STATE.metrics.outside_rows += rows  # a forward outside any engine step (DP dummy batch, warm-up): stock
-    return weights, ids
 
 
 def cpu_wrapper(original: Any) -> Any:
@@ -245,10 +260,9 @@ def cpu_wrapper(original: Any) -> Any:
     return _compute_routing
 
 
-def _min_batch_reached(valid: torch.Tensor | None, rows: int, router_id: int) -> bool | torch.Tensor:
-    """Whether the call has at least ``OEA_MIN_BATCH`` real rows: a Python bool without padding rows (the row
+def _min_batch_reached(valid: torch.Tensor | None, rows: int, cfg: Any) -> bool | torch.Tensor:
+    """Whether the call has at least ``cfg.min_batch`` real rows: a Python bool without padding rows (the row
     count is a static shape), else a 0-dim bool tensor (no host synchronisation)."""
-    cfg = router_config(router_id, rows)
     min_batch = cfg.min_batch if cfg is not None else 0
     if valid is None:
         return rows >= min_batch
@@ -268,26 +282,32 @@ def graph_wrapper(original: Any) -> Any:
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
         router_id = getattr(self, "_oea_router_id", None)
-        if STATE.recorder is not None and router_id is not None and (STATE.trace_step or tracing()):
-            recording.stage(router_id, router_logits)  # captured into the graph: every replay fills the buffer
-        if STATE.mode != "oea" or router_id is None or STATE.specs[router_id] is None or \
-                router_id in STATE.failed_routers:
+        if router_id is None:
             return weights, ids
-        spec = STATE.specs[router_id]
+        state = router_state(router_id)
+        if STATE.recorder is not None and (STATE.trace_step or tracing()):
+            recording.stage(state, router_logits)  # captured into the graph: every replay fills the buffer
+        spec = state.spec
+        if STATE.mode != "oea" or spec is None or state.failed:
+            return weights, ids
+        call = RouterCall(state, router_logits.shape[0])
         capturing = tracing()
-        if (not capturing and not STATE.decode) or keeps_every_top_k(
-                router_config(router_id, router_logits.shape[0]), spec):
+        if not capturing and not STATE.decode:  # 2. keep vLLM's routing outside decode steps (eager)
             return weights, ids
-        valid = _valid_rows(router_logits.shape[0])
-        enough = _min_batch_reached(valid, router_logits.shape[0], router_id)
+        call.cfg = state.config(call.rows)  # 1. the config for these rows
+        if keeps_every_top_k(call.cfg, spec):  # 2. ... and where OEA would change nothing
+            return weights, ids
+        call.valid = _valid_rows(call.rows)  # 3. the real rows
+        enough = _min_batch_reached(call.valid, call.rows, call.cfg)
         if enough is False:  # a static row count below OEA_MIN_BATCH: nothing to do in this shape
             return weights, ids
-        try:
-            new_w, new_ids = oea_route_for(spec, router_logits, valid, router_id)  # the router's own (layer's) config
+        try:  # 4. OEA, with the router's own (layer's) config
+            new_w, new_ids = oea_route_for(spec, router_logits, call.valid, router_id, cfg=call.cfg)
         except Exception as err:  # never into vLLM's forward pass (nor into a graph being captured)
             keep_stock_after_error(router_id, err)
             return weights, ids
-        select = None if enough is True else enough  # [] bool on the device: real rows counted at run time
+        # 5. splice: [] bool on the device selects OEA's columns (real rows counted at run time, decode flag at replay)
+        select = None if enough is True else enough
         if capturing and STATE.decode_flag is not None:
             select = STATE.decode_flag if select is None else STATE.decode_flag & select
         spliced_ids, spliced_w = splice_routed_columns(ids, weights, new_ids, new_w, select)

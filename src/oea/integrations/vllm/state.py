@@ -1,5 +1,6 @@
 """Per-process state of the vLLM plugin: what ``register`` and ``Worker.load_model`` set up, and the
-current step. One ``STATE`` per process, never replaced (tests swap its fields)."""
+current step. One ``STATE`` per process, never replaced (tests swap its fields). What belongs to one router
+(its config, kernel, buffers, trace slot, failed flag) is on the router: ``router_state.RouterState``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ class State:
     timing: bool = False
     installed: bool = False
     originals: dict[str, Any] = field(default_factory=dict)  # "Class" -> original _compute_routing
-    routers: list[Any] = field(default_factory=list)  # index = router id
+    cpu_op_defined: bool = False  # oea::cpu_route defined in this process
+    gpu_op_defined: bool = False  # oea::gpu_route defined in this process
+    # the routers model load numbered (index = router id; each carries its router_state.RouterState) and their
+    # specs as load read them (None: the layer keeps vLLM's routing)
+    routers: list[Any] = field(default_factory=list)
     specs: list[RouterSpec | None] = field(default_factory=list)
     decode: bool = False  # Python copy of the flag, for eager code and the CPU op
     decode_flag: torch.Tensor | None = None  # persistent 0-dim bool on the model's device
@@ -33,13 +38,14 @@ class State:
     record: StepRecord | None = None
     metrics: MetricsWriter | None = None
     warned: set[str] = field(default_factory=set)
+    # routing.step_rows: (step, rows, settings) -> (valid [M] bool or None, real rows), looked up once per step
+    step_rows: tuple[tuple[int, int, int], tuple[torch.Tensor | None, int]] | None = None
+    # routing.gathered_across_dp: ((step, rows), gathered) of the last call
+    dp_gathered: tuple[tuple[int, int], bool] | None = None
     layers: LayerConfigs | None = None  # layers.py: every router's config per batch size (OEA_K0, OEA_LAYER_K0_FILE)
-    layer_index: dict[int, int | None] = field(default_factory=dict)  # router id -> entry of OEA_LAYER_K0_FILE
-    failed_routers: set[int] = field(default_factory=set)  # layers whose OEA routing raised: stock from then on
-    # OEA_TRACE_FILE (recording.py): the recorder, router id -> recorded layer, this step recorded or not
+    # OEA_TRACE_FILE (recording.py): the recorder, this step recorded or not
     trace_settings: TraceSettings | None = None
     recorder: TraceRecorder | None = None
-    trace_slots: dict[int, int] = field(default_factory=dict)
     trace_step: bool = False
     trace_scheduled: Any = None  # the recorded step's SchedulerOutput
     model_runner: Any = None  # the worker's model runner (its persistent batch orders the rows)
