@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 PIP_INSTALL := $(PIP) install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install demo test test-not-engine test-fast test-engines lint format engines-vllm engines-sglang cuda-wheels clean
+.PHONY: venv install demo test test-phases test-not-engine test-engines test-fast lint format soak engines-vllm engines-sglang cuda-wheels clean
 
 # Runs an install script with its output in .cache/install-logs/<target>.log, then prints that log whole, its
 # duration and exit status: installs that run together (below) never interleave their output, nor with pytest's.
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -U pip
 	$(PIP_INSTALL) torch==2.13.0
-	$(PIP_INSTALL) -e '.[dev,transformers,eval]'
+	$(PIP_INSTALL) -e '.[dev,lab,transformers,eval]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -35,9 +35,26 @@ install:
 
 # .venv first; then ruff and the tests outside the `engine` marker (none of them reads the engine venvs or the
 # CUDA wheels) run while those install; then the `engine` tests. Together: every test, as one pytest run would.
-test: $(STAMP)
-	@$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels
-	$(PY) -m pytest -q -p no:cacheprovider -m engine --durations=25
+# Prints each phase's wall time and, last, `make test: N s`.
+test:
+	@start=$$(date +%s); status=0; \
+	$(MAKE) --no-print-directory test-phases || status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+comma := ,
+TIMED = @t=$$(date +%s); status=0; $(1) || status=$$?; echo "make test: $(2) $$(( $$(date +%s) - t )) s, exit $$status"; \
+	exit $$status
+
+test-phases:
+	$(call TIMED,$(MAKE) --no-print-directory $(STAMP),phase 1 (.venv))
+	$(call TIMED,$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels,phase 2 (ruff$(comma) non-engine tests$(comma) engine installs))
+	$(call TIMED,$(MAKE) --no-print-directory test-engines,phase 3 (engine tests))
+
+# The engine tests in two pytest-xdist workers, one per engine (tests/conftest.py): the vLLM and SGLang servers run
+# beside each other, within the machine's server slots (tests/server_harness.py); on two cores one server serving
+# alone leaves the other core idle.
+test-engines: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m engine -n 2 --dist loadscope --durations=25
 
 # In worker processes (pytest-xdist), at most 4: none of these tests shares state with another, and one process
 # leaves a core idle (on two cores: 217 s against 358-466 s in one process).
@@ -65,6 +82,24 @@ engines-sglang:
 # after .venv, whose pip downloads them (never while .venv's pip is being upgraded)
 cuda-wheels: $(STAMP)
 	$(call LOGGED,bash scripts/install_cuda_wheels.sh)
+
+# The long soaks of docs/reliability.md (2,000 requests per arm, OEA off / k0 = 3 / k0 = top_k on vLLM, off / k0 = 3 on
+# SGLang; hours on two cores); make test keeps a short soak and every chaos test. Reports in .cache/soak/.
+SOAK_DIR := .cache/soak
+soak: $(STAMP) engines-vllm engines-sglang
+	@mkdir -p $(SOAK_DIR)/vllm $(SOAK_DIR)/sglang
+	model=$$($(PY) -c 'from oea.models import embedded_model_dir; print(embedded_model_dir())'); \
+	$(VENV)/bin/oea soak --python .venv-vllm/bin/python --requests 2000 --duration 7200 --warmup 256 \
+	  --max-concurrency 32 --identical-outputs topk --out $(SOAK_DIR)/vllm --arm off= \
+	  --arm oea="OEA_K0=3 OEA_METRICS_FILE=$(SOAK_DIR)/vllm/oea.jsonl OEA_TRACE_FILE=$(SOAK_DIR)/vllm/oea-trace.safetensors" \
+	  --arm topk="OEA_K0=8 OEA_METRICS_FILE=$(SOAK_DIR)/vllm/topk.jsonl" \
+	  -- --model $$model --served-model-name m --port 8097 --dtype bfloat16 --max-model-len 512 \
+	  --max-num-seqs 32 --seed 0 --no-enable-chunked-prefill --kv-cache-memory-bytes 134217728; \
+	$(VENV)/bin/oea soak --python .venv-sglang/bin/python --requests 2000 --duration 3600 --warmup 64 \
+	  --max-concurrency 32 --out $(SOAK_DIR)/sglang --arm off= \
+	  --arm oea="OEA_K0=3 OEA_METRICS_FILE=$(SOAK_DIR)/sglang/oea.jsonl OEA_TRACE_FILE=$(SOAK_DIR)/sglang/oea-trace.safetensors" \
+	  -- --model-path $$model --device cpu --tp 1 --attention-backend torch_native --disable-overlap-schedule \
+	  --dtype bfloat16 --max-total-tokens 4096 --max-running-requests 16 --context-length 512 --port 8297
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-sglang oea-report

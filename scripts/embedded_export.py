@@ -1,4 +1,4 @@
-"""Export a training checkpoint (``scripts/train_embedded_model.py``) as the shipped embedded model.
+"""Export a training checkpoint (``scripts/train_embedded_model.py``, whose helper this is) as the embedded model.
 
 Writes bf16 safetensors (per-expert keys ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``,
 the layout vLLM's Qwen3-MoE loader reads), config, tokenizer, generation config, the held-out file
@@ -72,10 +72,10 @@ def windows_cross_entropy(model: Any, stream: np.ndarray, windows: int = CE_WIND
 
 def export_embedded(cache_dir: pathlib.Path, out_dir: pathlib.Path, *, threads: int = 1) -> dict[str, Any]:
     """Export ``cache_dir``'s checkpoint to ``out_dir``, measure it, write the model card; returns metrics."""
+    from embedded_stats import routing_statistics, unigram_cross_entropy
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from oea.models import load_model
-    from oea.models.stats import routing_statistics, unigram_cross_entropy
 
     torch.set_num_threads(threads)
     cache_dir, out_dir = pathlib.Path(cache_dir), pathlib.Path(out_dir)

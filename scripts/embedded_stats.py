@@ -1,4 +1,5 @@
-"""Routing statistics of a Qwen3-style MoE model on mixed batches (one token from each of B documents).
+"""Routing statistics of a Qwen3-style MoE model on mixed batches (one token from each of B documents); a helper of
+scripts/train_embedded_model.py (via scripts/embedded_export.py), not part of the oea package.
 
 Used for the embedded model's card and its routing targets: mean active experts per layer
 (the top-k union over B tokens), its ratio to the uniform-routing expectation, the share of

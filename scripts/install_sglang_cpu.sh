@@ -26,7 +26,7 @@
 # tokenizer manager, scheduler and grammar backends), pinned; installed under constraints.txt like the rest, so
 # no second torch can come in. The tests start real CPU servers with them (tests/engines/test_sglang_server*.py,
 # docs/sglang.md "Run a real SGLang server on CPU"). SGLang's C++ kernel package sgl_kernel has no CPU build on
-# the package index: the tests put oea's test-support stand-in (src/oea/launch/sgl_kernel_stand_in) on the
+# the package index: the tests put oea's test-support stand-in (tests/support/sgl_kernel_stand_in) on the
 # server's PYTHONPATH instead; nothing of it is installed here.
 #
 # Idempotent: a stamp file records a hash of this script, pyproject.toml and constraints.txt;
@@ -93,7 +93,8 @@ PY
 guard_torchvision_fake_kernels
 # pip cannot say --no-deps for one requirement of a list, hence the separate call.
 pip_install --no-deps "sglang==$SGLANG_VERSION"
-pip_install -e "$ROOT"
+# with oea[lab]: the engine tests run oea's evidence tools (traces, replay scripts) in this environment too
+pip_install -e "$ROOT[lab]"
 
 "$VENV/bin/python" -W ignore - <<'PY'
 from importlib.metadata import entry_points, version
@@ -111,7 +112,7 @@ print(f"install_sglang_cpu: sglang {version('sglang')}, torch {version('torch')}
 PY
 # The server's own import chain, in a fresh process as a CPU server sees it (is_cpu() is read at import time):
 # SGLang's CPU engine and the sgl_kernel stand-in on PYTHONPATH, as the tests and docs/sglang.md start it.
-SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$ROOT/src/oea/launch/sgl_kernel_stand_in${PYTHONPATH:+:$PYTHONPATH}" \
+SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$ROOT/tests/support/sgl_kernel_stand_in${PYTHONPATH:+:$PYTHONPATH}" \
     "$VENV/bin/python" -W ignore - <<'PY'
 from importlib.metadata import distributions
 

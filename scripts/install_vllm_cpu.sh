@@ -50,7 +50,8 @@ done
 # pinned to its current version, so only the project's missing dependencies get added.
 FROZEN="$VENV/.oea-frozen.txt"
 "${PIP[@]}" freeze --exclude-editable | grep -v '^-e ' | grep -v ' @ ' > "$FROZEN"
-quiet_pip install -q --disable-pip-version-check -c "$FROZEN" -e "$ROOT"
+# with oea[lab]: the engine tests run oea's evidence tools in this environment too
+quiet_pip install -q --disable-pip-version-check -c "$FROZEN" -e "$ROOT[lab]"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.export_only:
         train(args)
-    from oea.models.export import export_embedded
+    from embedded_export import export_embedded  # scripts/, beside this script (sys.path[0])
 
     export_embedded(args.cache_dir, args.out, threads=args.threads)
     return 0

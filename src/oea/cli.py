@@ -26,11 +26,17 @@ COMMAND_MODULES: tuple[str, ...] = (
     "oea.bench.layer.cli",
     "oea.tuning.cli",
     "oea.bench.serve.cli",
-    "oea.launch.vllm_cli",
+    "oea.launch.cli",
     "oea.models.cli",
     "oea.bench.decode.cli",
     "oea.soak.cli",
 )
+
+
+# The top-level modules of the ``oea[lab]`` extra (pyproject.toml; a test keeps the two equal). The evidence tools
+# import them; routing, the kernels, the engine plugins, ``oea doctor`` and ``oea serve`` never do.
+LAB_DEPENDENCIES: frozenset[str] = frozenset({"scipy", "rich", "matplotlib", "httpx"})
+LAB_INSTALL = "pip install 'oea[lab]'"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -95,11 +101,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (keeps the interpreter's final flush quiet)
         return 0
+    except ModuleNotFoundError as err:  # an evidence tool run from the lean package: say what to install
+        if (err.name or "").split(".")[0] not in LAB_DEPENDENCIES:
+            raise
+        print(f"oea {_command(args)}: error: this tool needs the lab extra ({err}): {LAB_INSTALL}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        command = " ".join(part for part in (args.command, getattr(args, "bench_command", None)) if part)
-        print(f"oea {command}: error: {message}", file=sys.stderr)
+        print(f"oea {_command(args)}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The subcommand's words as typed (``simulate``, ``bench serve``)."""
+    return " ".join(part for part in (args.command, getattr(args, "bench_command", None)) if part)
 
 
 if __name__ == "__main__":

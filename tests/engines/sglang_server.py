@@ -80,7 +80,7 @@ GLM_MODULE = "test_sglang_server_sigmoid"  # the module whose servers serve the 
 def server_arms(work: Path, modules: set[str]) -> list[Arm]:
     """The servers the ``test_sglang_server*`` modules named in ``modules`` need (the GLM checkpoint is written
     into ``work`` when ``GLM_MODULE`` is one of them)."""
-    from oea.models.tiny_checkpoint import write_tiny_checkpoint
+    from tiny_checkpoint import write_tiny_checkpoint  # tests/support (pytest's pythonpath)
 
     arms = []
     if modules - {GLM_MODULE}:

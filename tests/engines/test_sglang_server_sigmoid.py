@@ -1,5 +1,5 @@
 """The reference deployment's router family through a live SGLang server: a tiny random GLM-4.5-MoE checkpoint
-(``oea.models.tiny_checkpoint``: sigmoid scores, ``e_score_correction_bias``, ``n_group`` 4 / ``topk_group`` 2,
+(``tests/support/tiny_checkpoint.py``: sigmoid scores, ``e_score_correction_bias``, ``n_group`` 4 / ``topk_group`` 2,
 ``routed_scaling_factor`` 2.5, one shared expert; 16 experts, top-4) served by ``python -m sglang.launch_server
 --device cpu`` with the plugin (SGLang's ``biased_grouped_topk`` torch-native path, ``moe_forward_native``).
 Its three servers (OEA off, k0 = top_k, k0 = 2 with a trace and a metrics file) are among the session's shared

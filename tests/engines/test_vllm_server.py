@@ -24,6 +24,8 @@ from engine_venvs import engine_python
 from server_harness import free_port, port_of, stopping_servers
 from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # test support, outside the oea package
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 K0 = 2
@@ -45,7 +47,7 @@ def _model_dir(tmp_root: Path) -> Path:
     except (ImportError, FileNotFoundError):
         pass
     out = tmp_root / "tiny-moe"
-    subprocess.run([str(VLLM_PYTHON), "-m", "oea.launch.tiny_moe", str(out)], check=True, cwd=tmp_root,
+    subprocess.run([str(VLLM_PYTHON), str(SUPPORT / "tiny_moe.py"), str(out)], check=True, cwd=tmp_root,
                    capture_output=True, timeout=300)
     return out
 
@@ -83,7 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     results: dict[str, dict] = {}
     started = time.monotonic()
 
-    with stopping_servers() as servers:
+    with stopping_servers(slots=len(arms), what="vllm server") as servers:
         for name, extra in arms.items():
             env = server_env(extra)
             # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).

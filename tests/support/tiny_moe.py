@@ -8,7 +8,7 @@ so rerouting would not show in the tokens). About 28M parameters, 56 MB in bf16.
 
 Run with the interpreter that will serve it (its transformers writes the checkpoint format)::
 
-    python -m oea.launch.tiny_moe OUT_DIR
+    python tests/support/tiny_moe.py OUT_DIR
 """
 
 from __future__ import annotations
@@ -60,5 +60,5 @@ def build(out: str, seed: int = 0) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m oea.launch.tiny_moe OUT_DIR")
+        sys.exit("usage: python tests/support/tiny_moe.py OUT_DIR")
     print(build(sys.argv[1]))

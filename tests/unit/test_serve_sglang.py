@@ -78,3 +78,20 @@ def test_serve_sglang_refuses_a_bad_k0_before_starting_anything(fake_sglang: dic
     proc = _oea(["--k0", "0", "--", "--model-path", "m"], fake_sglang)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "--k0 must be an integer >= 1, got 0" in err, err
+
+
+def test_serve_sglang_with_the_stand_in_warns_at_start_that_it_is_test_support(fake_sglang: dict[str, str]) -> None:
+    port = free_port()
+    proc = _oea(["--sgl-kernel-stand-in", "--", "--model-path", "m", "--device", "cpu", "--port", str(port)],
+                fake_sglang)
+    try:
+        first = proc.stderr.readline()
+        assert first.startswith("oea serve sglang: warning: SGLang CPU server with the sgl_kernel stand-in: "), first
+        assert "test support from the source checkout" in first
+        ready = proc.stderr.readline()
+        assert ready.startswith("oea serve sglang: ready at") and "sgl_kernel: oea's test-support stand-in" in ready
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,4 +1,4 @@
-"""The test-support ``sgl_kernel`` stand-in (``oea/launch/sgl_kernel_stand_in``): SGLang's one CPU kernel on its
+"""The test-support ``sgl_kernel`` stand-in (``tests/support/sgl_kernel_stand_in``): SGLang's one CPU kernel on its
 native path in torch, a clear error for every other name, and no ``torch.ops.sgl_kernel`` op (so SGLang's
 capability checks keep its torch-native paths); and ``oea.launch.sglang_server`` puts it on a server's
 ``PYTHONPATH`` only when asked."""
@@ -6,6 +6,7 @@ capability checks keep its torch-native paths); and ``oea.launch.sglang_server``
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +48,16 @@ def test_the_stand_in_reaches_a_server_only_when_asked() -> None:
     assert asked["PYTHONPATH"].split(":") == [str(STAND_IN_DIR), "/src"]
     assert "SGLANG_USE_CPU_ENGINE" not in server_env(["--model-path", "m"], {})  # a GPU server: untouched
     assert server_env(args, {"SGLANG_USE_CPU_ENGINE": "0"})["SGLANG_USE_CPU_ENGINE"] == "0"
+
+
+def test_the_stand_in_lives_in_the_source_trees_test_support_not_in_the_package() -> None:
+    assert STAND_IN_DIR.parts[-3:] == ("tests", "support", "sgl_kernel_stand_in")
+    assert (STAND_IN_DIR / "sgl_kernel" / "__init__.py").is_file()
+
+
+def test_asking_for_the_stand_in_where_it_is_absent_names_the_flag(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    monkeypatch.setattr("oea.launch.sglang_server.STAND_IN_DIR", tmp_path / "absent")  # as in a wheel install
+    with pytest.raises(ValueError, match=r"^--sgl-kernel-stand-in: .* does not exist in this installation"):
+        server_env(["--device", "cpu"], {}, stand_in=True)
+    assert "PYTHONPATH" not in server_env(["--device", "cpu"], {})  # not asked: nothing to find

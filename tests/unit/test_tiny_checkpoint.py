@@ -1,4 +1,4 @@
-"""``oea.models.tiny_checkpoint``: a tiny GLM-4.5-MoE checkpoint directory a server can load (sigmoid router with
+"""``tests/support/tiny_checkpoint.py``: a tiny GLM-4.5-MoE checkpoint directory a server can load (sigmoid router with
 a non-zero correction bias, grouped top-k, scaling factor, untied head, the embedded tokenizer)."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ pytestmark = pytest.mark.slow
 def test_a_tiny_glm4_moe_checkpoint_has_the_reference_router_family(tmp_path: Path) -> None:
     import torch
     from safetensors import safe_open
-
-    from oea.models.tiny_checkpoint import write_tiny_checkpoint
+    from tiny_checkpoint import write_tiny_checkpoint  # tests/support (pytest's pythonpath)
 
     out = write_tiny_checkpoint(tmp_path / "glm", "glm4_moe", num_experts=16, top_k=4, n_group=4, topk_group=2)
     config = json.loads((out / "config.json").read_text())

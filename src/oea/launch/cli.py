@@ -1,5 +1,6 @@
-"""``oea serve vllm`` and ``oea serve sglang`` (parsers and handler): start the engine's server with OEA settings,
-wait for /health, forward signals."""
+"""``oea serve``, ``oea serve vllm`` and ``oea serve sglang``: the one serve command line for both engines (parsers and
+handler): start the engine's server with OEA settings, wait for /health, forward signals. Lean: it needs none of the
+``oea[lab]`` dependencies."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def _serve(args: argparse.Namespace, engine: str) -> int:
         from oea.launch.sglang_server import start_server as start_sglang
 
         if args.sgl_kernel_stand_in:
+            # The named feature "SGLang CPU server with the sgl_kernel stand-in": kept for CPU development, said at
+            # start because it is test support (source checkout only), not a tuned CPU build of SGLang.
+            print(f"{name}: warning: SGLang CPU server with the sgl_kernel stand-in: oea's test support from the "
+                  "source checkout, SGLang's torch-native paths only (docs/sglang.md)", file=sys.stderr, flush=True)
             defaults = "; sgl_kernel: oea's test-support stand-in (SGLang's torch-native paths only)"
         server = start_sglang(engine_args, env, python=args.python, stand_in=args.sgl_kernel_stand_in)
     stopping = {"signal": None}

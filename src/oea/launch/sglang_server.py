@@ -7,9 +7,10 @@ the environment (``OEA_K0``, ...) is set here.
 
 On a CPU (``--device cpu``) SGLang's CPU engine needs ``SGLANG_USE_CPU_ENGINE=1`` (set here unless the
 environment sets it) and, where SGLang's C++ kernel package ``sgl_kernel`` has no CPU build installed,
-``stand_in=True``: the test-support stand-in of ``oea/launch/sgl_kernel_stand_in`` goes first on the server's
-``PYTHONPATH`` (see its docstring: one torch kernel, no ``torch.ops.sgl_kernel`` ops, so SGLang keeps its
-torch-native paths). Nothing is installed anywhere.
+``stand_in=True``: the test-support stand-in of the source checkout's ``tests/support/sgl_kernel_stand_in`` goes
+first on the server's ``PYTHONPATH`` (see its docstring: one torch kernel, no ``torch.ops.sgl_kernel`` ops, so SGLang
+keeps its torch-native paths). Nothing is installed anywhere, and the ``oea`` wheel does not contain the stand-in: a CPU
+SGLang server with it runs from a source checkout (``pip install -e .``) only, and says so when it starts.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ __all__ = ["CPU_SERVER_ARGS", "LOCAL_SERVER_ENV", "STAND_IN_DIR", "Server", "cpu
 
 SGLANG_MAIN = "sglang.launch_server"
 DEFAULT_PORT = "30000"  # sglang.launch_server's own default
-# The folder that holds the stand-in package ``sgl_kernel`` (test support; never installed).
-STAND_IN_DIR = Path(__file__).resolve().parent / "sgl_kernel_stand_in"
+# The folder that holds the stand-in package ``sgl_kernel``: test support in the source checkout (src/oea/launch ->
+# the repository root), never installed; absent when oea runs from a wheel.
+STAND_IN_DIR = Path(__file__).resolve().parents[3] / "tests" / "support" / "sgl_kernel_stand_in"
 CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
 
 # Loopback-only, offline defaults for a local server.
@@ -76,12 +78,17 @@ def server_env(sglang_args: Sequence[str], env: Mapping[str, str], stand_in: boo
 
     * ``SGLANG_USE_CPU_ENGINE=1`` when the arguments say ``--device cpu`` and ``env`` does not set it (without it
       SGLang's ``is_cpu()`` is false and it launches GPU kernels on CPU tensors);
-    * with ``stand_in``, ``STAND_IN_DIR`` first on ``PYTHONPATH`` (the rest of ``env``'s ``PYTHONPATH`` kept).
+    * with ``stand_in``, ``STAND_IN_DIR`` first on ``PYTHONPATH`` (the rest of ``env``'s ``PYTHONPATH`` kept);
+      ``ValueError`` naming ``--sgl-kernel-stand-in`` when this installation has no stand-in (a wheel, not a checkout).
     """
     full = {**LOCAL_SERVER_ENV, **env}
     if _option(sglang_args, "--device") == "cpu" and CPU_ENGINE_VAR not in env:
         full[CPU_ENGINE_VAR] = "1"
     if stand_in:
+        if not (STAND_IN_DIR / "sgl_kernel" / "__init__.py").is_file():
+            raise ValueError(f"--sgl-kernel-stand-in: the sgl_kernel stand-in is test support of oea's source checkout "
+                             f"and {STAND_IN_DIR} does not exist in this installation; run oea from a checkout "
+                             f"(pip install -e .) or install SGLang's own sgl_kernel")
         rest = full.get("PYTHONPATH", "")
         full["PYTHONPATH"] = os.pathsep.join([str(STAND_IN_DIR), *([rest] if rest else [])])
     return full

@@ -1,5 +1,5 @@
 """``oea bench serve`` (the parser only; the work happens in ``oea.bench.serve.client`` and ``oea.bench.serve.ab``;
-``oea serve vllm`` is registered by ``oea.launch.vllm_cli``)."""
+``oea serve vllm`` is registered by ``oea.launch.cli``)."""
 
 from __future__ import annotations
 

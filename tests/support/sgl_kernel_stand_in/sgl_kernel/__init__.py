@@ -18,7 +18,8 @@ It registers NO ``torch.ops.sgl_kernel`` op: SGLang's own capability checks (``c
 ``fused_topk_torch_native`` routing, ``moe_forward_native`` experts, ``torch_native`` attention.
 
 It is put on ``PYTHONPATH`` only on request (``oea.launch.sglang_server.start_server(..., stand_in=True)``,
-``oea serve sglang --sgl-kernel-stand-in``) and is never installed into a site-packages.
+``oea serve sglang --sgl-kernel-stand-in``, ``scripts/install_sglang_cpu.sh``'s import check) and is never
+installed: it lives in the source tree's ``tests/support/``, which the ``oea`` wheel does not contain.
 """
 
 from __future__ import annotations
