@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from oea.routing import AdaptiveK0Config, OEAConfig, RouterSpec
+from oea.routing.layered import EP_IGNORES_MAX_EXPERTS
 
 NUM_EXPERTS, TOP_K, LAYERS, ROWS = 16, 4, 2, 12
 ADAPTERS = ("vllm", "sglang", "transformers")
@@ -70,6 +71,7 @@ class Scenario:
         message: for ``error`` / ``fits=False`` rows: the words every adapter reports.
         fits: False when the settings cannot fit the model (see the module docstring).
         adapters: where the scenario applies.
+        warning: for ``routed`` rows: words the adapter must have warned with (None: nothing asked).
     """
 
     name: str
@@ -83,6 +85,7 @@ class Scenario:
     fits: bool = True
     adapters: tuple[str, ...] = ADAPTERS
     tags: tuple[str, ...] = field(default=())
+    warning: str | None = None
 
     def outcome(self, adapter: str) -> str:
         """What ``adapter`` must do: ``routed``, ``error`` or ``stock``."""
@@ -122,6 +125,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("layer-file-batch-k0-small-batch", {"OEA_K0": "2"}, rows=4, layer_file=BATCH_FILE, expect=(None, None)),
     Scenario("padding-rows", {"OEA_K0": "1"}, padding=4, expect=(_oea(1), _oea(1)), adapters=("vllm", "sglang")),
     Scenario("policy-ep-without-expert-parallelism", {"OEA_K0": "2", "OEA_POLICY": "ep"}, expect=(_oea(2), _oea(2))),
+    # EP with a layer file: each layer's k0 on the layer's base config (here plain OEA: the children run without
+    # expert parallelism; tests/unit/test_ep_layer_file_adapters.py composes it on a placement in both engines)
+    Scenario("policy-ep-with-a-layer-file", {"OEA_K0": "2", "OEA_POLICY": "ep"}, layer_file=FILE,
+             expect=(_oea(1, min_batch=3), _oea(3, min_batch=3))),
+    Scenario("policy-ep-max-experts", {"OEA_K0": "1", "OEA_MAX_EXPERTS": "2", "OEA_POLICY": "ep"},
+             expect=(_oea(1, max_experts=2), _oea(1, max_experts=2)), warning=EP_IGNORES_MAX_EXPERTS,
+             adapters=("vllm", "sglang")),
     Scenario("bad-k0", {"OEA_K0": "two"}, message="OEA_K0 must be an integer >= 1, got 'two'"),
     Scenario("bad-min-batch", {"OEA_K0": "2", "OEA_MIN_BATCH": "-1"},
              message="OEA_MIN_BATCH must be an integer >= 0, got -1"),

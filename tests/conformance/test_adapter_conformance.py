@@ -105,6 +105,8 @@ def _check(adapter: str, scenario: Scenario, outcome: dict[str, Any], files: dic
             difference = routing_difference(ids, weights, torch.tensor(got["ids"]), torch.tensor(got["weights"]))
             assert difference is None, f"{adapter} layer {layer} is not the engine's own routing: {difference}"
         return
+    if scenario.warning is not None:
+        assert any(scenario.warning in warning for warning in outcome["warnings"]), (adapter, outcome["warnings"])
     assert len(outcome["layers"]) == 2
     for layer, got in enumerate(outcome["layers"]):
         assert got["spec"] == spec_fields(family_spec(scenario.family)), f"{adapter} translated the router wrongly"

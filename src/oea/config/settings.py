@@ -10,15 +10,29 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from oea.config.variables import BY_NAME
 from oea.routing.spec import OEAConfig
 
 
 @dataclass(frozen=True)
+class TraceSettings:
+    """``OEA_TRACE_*``: where the engine plugins record decode-step routing, and how much of it."""
+
+    path: str
+    sample: float = 1.0  # share of decode steps recorded
+    max_bytes: int = 1024 * 2**20
+    content: str = "logits"  # one of TRACE_CONTENTS
+
+
+@dataclass(frozen=True)
 class EnvSettings:
-    """What the environment asks for. ``oea`` is None when OEA is off."""
+    """What the environment asks for. ``oea`` is None when OEA is off.
+
+    ``settings_from_env`` reads the routing settings; ``all_settings_from_env`` every ``OEA_*`` setting of an
+    engine process (``timing``, ``metrics_flush_s``, ``trace`` too), once, for the plugins and their doctors.
+    """
 
     oea: OEAConfig | None
     apply_to_verify: bool = False
@@ -29,6 +43,9 @@ class EnvSettings:
     max_experts: int | None = None  # OEA_MAX_EXPERTS when set
     group_fill: str = "in"  # OEA_GROUP_FILL
     policy: str = "oea"  # OEA_POLICY
+    timing: bool = False  # OEA_TIMING (all_settings_from_env)
+    metrics_flush_s: float = 0.5  # OEA_METRICS_FLUSH_S (all_settings_from_env)
+    trace: TraceSettings | None = None  # OEA_TRACE_FILE and its options (all_settings_from_env; None: not recording)
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
@@ -57,6 +74,16 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     )
 
 
+def all_settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
+    """Every ``OEA_*`` setting of an engine process, read once: ``settings_from_env`` with ``OEA_TIMING``,
+    ``OEA_METRICS_FLUSH_S`` and ``OEA_TRACE_*``, in that order. Raises ``ValueError`` naming the first
+    malformed variable."""
+    env = os.environ if env is None else env
+    settings = settings_from_env(env)
+    return replace(settings, timing=timing_from_env(env), metrics_flush_s=metrics_flush_interval(env),
+                   trace=trace_settings_from_env(env))
+
+
 def timing_from_env(env: Mapping[str, str] | None = None) -> bool:
     """``OEA_TIMING``: time each routing call (vLLM plugin). Raises ``ValueError`` naming it when malformed."""
     return BY_NAME["OEA_TIMING"].value(os.environ if env is None else env, False)
@@ -65,16 +92,6 @@ def timing_from_env(env: Mapping[str, str] | None = None) -> bool:
 def metrics_flush_interval(env: Mapping[str, str] | None = None) -> float:
     """``OEA_METRICS_FLUSH_S``: seconds between metrics flushes (default 0.5); a finite number > 0."""
     return BY_NAME["OEA_METRICS_FLUSH_S"].value(os.environ if env is None else env, 0.5)
-
-
-@dataclass(frozen=True)
-class TraceSettings:
-    """``OEA_TRACE_*``: where the engine plugins record decode-step routing, and how much of it."""
-
-    path: str
-    sample: float = 1.0  # share of decode steps recorded
-    max_bytes: int = 1024 * 2**20
-    content: str = "logits"  # one of TRACE_CONTENTS
 
 
 def trace_settings_from_env(env: Mapping[str, str] | None = None) -> TraceSettings | None:

@@ -16,7 +16,8 @@ import torch
 
 import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
-from oea.config import EnvSettings, layer_configs, settings_from_env
+from oea.config import EnvSettings, layer_configs
+from oea.config.settings import all_settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, version_tuple
 from oea.integrations.sglang.hooks import (
     decode_detection,
@@ -41,7 +42,12 @@ def doctor_checks() -> list[dict[str, Any]]:
     ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context, and the mechanism that
     bounds CUDA-graph padding rows ("cuda-graph padding").
     """
-    checks = [check_call("version", _check_version), check_call("environment", _check_environment),
+    try:  # every OEA_* setting, read once as register reads them; malformed: each check that needs them says why
+        settings: EnvSettings | ValueError = all_settings_from_env()
+    except ValueError as err:
+        settings = err
+    checks = [check_call("version", _check_version),
+              check_call("environment", lambda: _check_environment(_readable(settings))),
               *entry_point_checks(targets.ENTRY_POINT_GROUP, targets.ENTRY_POINT_VALUE, register, "SGLang"),
               check_call("imports", _check_imports)]
     if checks[-1]["ok"]:  # an SGLang that cannot be imported has no hook targets to look at
@@ -51,16 +57,29 @@ def doctor_checks() -> list[dict[str, Any]]:
                 checks.append(check_call(f"hook target {target}", lambda target=target: _check_target(target)))
     imports_ok = all(c["ok"] for c in checks if c["name"] == "imports")
     if all(c["ok"] for c in checks):
-        checks.append(check_call("hooks live", _check_hooks_live))
-        checks.append(check_decode_detection())
-        checks.append(check_call("self-test select_experts", _self_test))
+        checks.append(check_call("hooks live", lambda: _check_hooks_live(_readable(settings))))
+        checks.append(check_decode_detection(settings))
+        checks.append(check_call("self-test select_experts", lambda: _self_test(_readable(settings))))
     else:
         checks.append(check("self-test select_experts", False, "skipped: fix the failed checks above first; "
                                                                "until then SGLang serves without OEA"))
     if imports_ok:
-        checks.append(check_call("cuda-graph padding", _check_padding))
+        checks.append(check_call("cuda-graph padding", lambda: _check_padding(_readable(settings))))
         checks.append(check_call("ep placement", doctor_placement))
     return checks
+
+
+def _readable(settings: EnvSettings | ValueError | None) -> EnvSettings:
+    """The settings a check works with (None: read here); the reason they could not be read (the variable
+    named) otherwise."""
+    if settings is None:
+        try:
+            return all_settings_from_env()
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+    if isinstance(settings, ValueError):
+        raise RuntimeError(str(settings)) from None  # the message names the variable
+    return settings
 
 
 def _check_version() -> str:
@@ -74,10 +93,11 @@ def _check_version() -> str:
         f"; supported {targets.SUPPORTED_VERSIONS}"
 
 
-def _check_environment() -> str:
-    """What ``register`` does with this environment (it reads it with the same functions)."""
+def _check_environment(settings: EnvSettings | None = None) -> str:
+    """What ``register`` does with this environment (it reads it with the same functions); ``settings``: the
+    doctor's reading of it (None: read here)."""
+    settings = _readable(settings)
     try:
-        settings = settings_from_env()
         configs = layer_configs(settings)
     except ValueError as err:  # the message names the variable
         raise RuntimeError(str(err)) from None
@@ -173,11 +193,10 @@ def _import_target(target: str) -> Any:
     return obj
 
 
-def _check_hooks_live() -> str:
+def _check_hooks_live(settings: EnvSettings) -> str:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # SGLang's own loader: runs every entry point, then HookRegistry.apply_hooks()
-    settings = settings_from_env()
     status = hooks_status()
     if settings.oea is None:
         if any(status.values()):
@@ -190,17 +209,18 @@ def _check_hooks_live() -> str:
     return f"installed on {', '.join(status)}"
 
 
-def check_decode_detection() -> dict[str, Any]:
+def check_decode_detection(settings: EnvSettings | ValueError | None = None) -> dict[str, Any]:
     """Which decode-detection path this SGLang gets (chosen by ``forward_context``'s signature) and whether it
-    is live in this process (its hooks installed; ``oea doctor`` installs them through ``load_plugins``)."""
-    return check_call("decode detection", _check_decode_detection)
+    is live in this process (its hooks installed; ``oea doctor`` installs them through ``load_plugins``).
+    ``settings``: the doctor's reading of the environment (default: read here)."""
+    return check_call("decode detection", lambda: _check_decode_detection(_readable(settings)))
 
 
 def _short(target: str) -> str:
     return ".".join(target.rsplit(".", 2)[-2:])
 
 
-def _check_decode_detection() -> str:
+def _check_decode_detection(settings: EnvSettings) -> str:
     path = [target for target, _ in decode_detection()]
     if path[0] == targets.FORWARD_CONTEXT_TARGET:
         how = (f"AROUND {targets.FORWARD_CONTEXT_TARGET}(ctx, *, forward_batch): every forward and graph capture "
@@ -211,7 +231,7 @@ def _check_decode_detection() -> str:
         captures = ", ".join(_short(t) for t in path[1:]) or "no graph runner found"
         how = (f"AROUND ModelRunner.forward(self, forward_batch) (eager forwards and graph replays) and the "
                f"runners' capture_forward_mode while graphs are captured ({captures}); {why}")
-    if settings_from_env().oea is None:
+    if settings.oea is None:
         return f"OEA off; with OEA_K0 set: {how}"
     missing = [target for target in path if not target_hooked(target)]
     if missing:
@@ -220,12 +240,11 @@ def _check_decode_detection() -> str:
     return f"live: {how}"
 
 
-def _self_test() -> str:
+def _self_test(settings: EnvSettings) -> str:
     """Route 16 decode rows through the real ``select_experts`` (torch-native softmax) and compare."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     topk = importlib.import_module(targets.TOPK_MODULE)
-    settings = settings_from_env()
     forced = settings.oea is None
     if forced:  # prove the path anyway, with a throw-away config in this doctor process only
         settings = EnvSettings(oea=OEAConfig(k0=1), source={})
@@ -258,7 +277,7 @@ def _self_test() -> str:
             f"{t_vanilla} -> {t_oea}, equal to oea.route; EXTEND unchanged{note}")
 
 
-def _check_padding() -> str:
+def _check_padding(settings: EnvSettings) -> str:
     """Which mechanism bounds the padding rows of graph-replayed decode batches in this environment."""
     planned = padding.replay_targets()
     cuda, cpu = planned["cuda"], planned["cpu"]
@@ -278,7 +297,7 @@ def _check_padding() -> str:
     sglang_own = ("SGLang's own num_token_non_padded is used instead where SGLang keeps one (EP > 1, "
                   "DP-attention gathering, a custom all-to-all)")
     hook_points = ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t in (cuda, cpu) if t)
-    if settings_from_env().oea is None:
+    if settings.oea is None:
         return (f"OEA off; with OEA_K0 set, OEA's replay count ({hook_points}) keeps the padding rows of "
                 f"graph-replayed decode batches out of the union at plain TP; {sglang_own}")
     if not target_hooked(cuda):

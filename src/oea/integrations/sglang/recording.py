@@ -26,7 +26,7 @@ from oea.config import TraceSettings
 from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
 from oea.integrations.recording_common import recording_meta, writable_settings
 from oea.integrations.runtime import graph_capturing, process_rank
-from oea.integrations.sglang.state import decode_or_verify, log, warn_once
+from oea.integrations.sglang.state import STATE, decode_or_verify, log, warn_once
 from oea.routing import RouterSpec
 from oea.trace_schema import routes_alike
 
@@ -153,10 +153,10 @@ def _submit(forward_batch: Any) -> None:
 
 
 def _meta(path: str, settings: TraceSettings) -> dict[str, Any]:
-    from oea.config import settings_from_env
     from oea.integrations.sglang.targets import engine_version
 
-    return recording_meta(path, f"an SGLang {engine_version()} server", _model_path(), settings_from_env().oea,
+    oea = STATE.settings.oea if STATE.settings is not None else None  # what register read (every OEA_* once)
+    return recording_meta(path, f"an SGLang {engine_version()} server", _model_path(), oea,
                           settings, [
         "DECODE forwards only (prefill/extend is never recorded); rows are the batch's real rows",
         "positions: each token's position in its sequence (seq_lens - 1); step_ids: this process's count of "

@@ -9,13 +9,8 @@ from typing import Any
 
 import torch
 
-from oea.config import (
-    layer_configs,
-    metrics_flush_interval,
-    settings_from_env,
-    timing_from_env,
-    trace_settings_from_env,
-)
+from oea.config import layer_configs
+from oea.config.settings import all_settings_from_env
 from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version
 from oea.integrations.vllm.placement import doctor_placement
 from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
@@ -55,10 +50,8 @@ def doctor_checks() -> list[dict[str, Any]]:
 def _check_environment() -> str:
     """What the plugin does with this environment (``register`` and the worker read it the same way)."""
     try:
-        settings = settings_from_env()
-        timing = timing_from_env()
-        metrics_flush_interval()
-        trace = trace_settings_from_env()
+        settings = all_settings_from_env()  # every OEA_* setting, as register reads them
+        timing, trace = settings.timing, settings.trace
         layer_configs(settings)  # the file readable, well-formed and set with OEA_K0, as register reads it
     except ValueError as err:  # the message names the variable
         raise RuntimeError(str(err)) from None
