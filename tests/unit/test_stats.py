@@ -329,3 +329,30 @@ def test_proportion_interval_is_wilsons_and_stays_inside_0_1() -> None:
     for bad, trials in [(1.2, 4), (-0.1, 4), (0.5, 0), (0.5, 2.0)]:
         with pytest.raises(ValueError, match="must be"):
             proportion_interval(bad, trials)
+
+
+@pytest.mark.parametrize("n", [1, 2, 17])
+def test_bootstrap_intervals_are_the_quantiles_of_one_draw_per_sample_from_the_generator(n):
+    # scipy.stats.bootstrap resamples (oea.stats.intervals); the figures stay those of this hand computation, bit for
+    # bit, and the generator moves on by exactly these draws.
+    data = np.random.default_rng(11).lognormal(size=(2, n)) + 0.1
+    resamples, tail = 300, 0.025
+
+    def by_hand(draw_pairs: bool, statistic):
+        rng = np.random.default_rng(5)
+        if draw_pairs:
+            rows = rng.integers(0, n, size=(resamples, n))
+            ratios = statistic(data[0][rows]) / statistic(data[1][rows])
+        else:
+            num = data[0][rng.integers(0, n, size=(resamples, n))]
+            ratios = statistic(num) / statistic(data[1][rng.integers(0, n, size=(resamples, n))])
+        return (float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))), rng.integers(0, 2**62)
+
+    for paired in (True, False):
+        rng = np.random.default_rng(5)
+        found = ratio_of_medians_interval(data[0], data[1], rng, paired=paired, resamples=resamples)
+        assert (found.bounds, rng.integers(0, 2**62)) == by_hand(paired, lambda x: np.median(x, axis=-1))
+    rng = np.random.default_rng(5)
+    alone = median_interval(data[0], rng, resamples=resamples)
+    draws = np.median(data[0][np.random.default_rng(5).integers(0, n, size=(resamples, n))], axis=-1)
+    assert alone.bounds == (float(np.quantile(draws, tail)), float(np.quantile(draws, 1 - tail)))

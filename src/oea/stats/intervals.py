@@ -2,13 +2,15 @@
 
 Inputs are 1-D sequences of finite floats (lists, tuples, numpy arrays); every function raises
 ``ValueError`` naming the problem for empty, non-finite, mismatched or too-short input. Bootstrap
-functions take a ``numpy.random.Generator`` so that results are reproducible. Student-t
-quantiles come from ``scipy.special`` (imported on first use).
+functions take a ``numpy.random.Generator`` so that results are reproducible. Student-t quantiles and
+tails are ``scipy.stats.t``'s, percentile bootstrap intervals ``scipy.stats.bootstrap``'s (scipy is
+imported on first use: it comes with the ``oea[lab]`` extra).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -136,9 +138,9 @@ def t_quantile(probability: float, df: float) -> float:
         raise ValueError(f"probability must be strictly between 0 and 1, got {probability!r}")
     if not df > 0:
         raise ValueError(f"df must be > 0, got {df!r}")
-    from scipy import special
+    from scipy import stats
 
-    return float(special.stdtrit(df, probability))
+    return float(stats.t.ppf(probability, df))
 
 
 def t_two_sided_p(t_statistic: float, df: float) -> float:
@@ -147,9 +149,9 @@ def t_two_sided_p(t_statistic: float, df: float) -> float:
         raise ValueError(f"df must be > 0, got {df!r}")
     if math.isnan(t_statistic):
         raise ValueError("t_statistic is NaN")
-    from scipy import special
+    from scipy import stats
 
-    return float(min(1.0, 2.0 * special.stdtr(df, -abs(t_statistic))))
+    return float(min(1.0, 2.0 * stats.t.sf(abs(t_statistic), df)))
 
 
 # ---------------------------------------------------------------- means and medians
@@ -178,6 +180,34 @@ def _mean(draws: np.ndarray) -> np.ndarray:
     return np.mean(draws, axis=-1)
 
 
+def _scipy_bootstrap(samples: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], rng: np.random.Generator,
+                     paired: bool, resamples: int, level: float) -> tuple[float, float]:
+    """The percentile bootstrap bounds of ``statistic(*samples)``: the resampled statistics by
+    ``scipy.stats.bootstrap`` (one [resamples, n] draw of ``rng.integers`` per sample, per pair when ``paired``), the
+    bounds their (1 - level)/2 and (1 + level)/2 quantiles by ``numpy.quantile``.
+
+    Not scipy's own bounds: its percentile method can land one ulp outside the data (resamples of [1.0,
+    957.3468374748091] give a high of 957.3468374748093), and a bound must stay within what was measured."""
+    from scipy import stats
+
+    if min(sample.size for sample in samples) < 2:
+        # scipy.stats.bootstrap refuses a sample of one value; the same draws by hand (every resample of one value
+        # is that value), so that results and the generator's state match scipy's path for every n.
+        if paired:
+            rounds = rng.integers(0, samples[0].size, size=(resamples, samples[0].size))
+            drawn = [sample[rounds] for sample in samples]
+        else:
+            drawn = [sample[rng.integers(0, sample.size, size=(resamples, sample.size))] for sample in samples]
+        return _percentiles(statistic(*drawn), level)
+    with warnings.catch_warnings():
+        # scipy also reports the draws' standard error, unused here; with one resample numpy warns about it
+        warnings.filterwarnings("ignore", "Degrees of freedom <= 0", RuntimeWarning)
+        warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
+        found = stats.bootstrap(samples, lambda *drawn, axis: statistic(*drawn), n_resamples=resamples,
+                                vectorized=True, paired=paired, confidence_level=level, method="percentile", rng=rng)
+    return _percentiles(found.bootstrap_distribution, level)
+
+
 def _percentiles(draws: np.ndarray, level: float) -> tuple[float, float]:
     tail = (1.0 - level) / 2.0
     return float(np.quantile(draws, tail)), float(np.quantile(draws, 1.0 - tail))
@@ -201,9 +231,9 @@ def bootstrap_interval(
     _check_resamples(resamples)
     array = _values(values)
     stat = statistic or _median
-    draws = stat(array[rng.integers(0, array.size, size=(resamples, array.size))])
-    low, high = _percentiles(draws, level)
-    return Interval(float(stat(array[None, :])[0]), low, high, level, "bootstrap")
+    estimate = float(stat(array[None, :])[0])
+    low, high = _scipy_bootstrap((array,), stat, rng, False, resamples, level)
+    return Interval(estimate, low, high, level, "bootstrap")
 
 
 def mean_bootstrap_interval(
@@ -231,17 +261,15 @@ def _ratio_interval(
     num, den = _values(numerator, "numerator"), _values(denominator, "denominator")
     if paired and num.size != den.size:
         raise ValueError(f"a paired ratio needs samples of equal length, got {num.size} and {den.size}")
-    if paired:
-        rounds = rng.integers(0, num.size, size=(resamples, num.size))
-        num_draws, den_draws = num[rounds], den[rounds]
-    else:
-        num_draws = num[rng.integers(0, num.size, size=(resamples, num.size))]
-        den_draws = den[rng.integers(0, den.size, size=(resamples, den.size))]
-    den_stats = statistic(den_draws)
-    if np.any(den_stats == 0):
-        raise ValueError(f"denominator {name} is 0 in the data or a resample; the ratio is undefined")
-    low, high = _percentiles(statistic(num_draws) / den_stats, level)
-    estimate = float(statistic(num[None, :])[0] / statistic(den[None, :])[0])
+
+    def ratio(num_draws: np.ndarray, den_draws: np.ndarray) -> np.ndarray:
+        den_stats = statistic(den_draws)
+        if np.any(den_stats == 0):
+            raise ValueError(f"denominator {name} is 0 in the data or a resample; the ratio is undefined")
+        return statistic(num_draws) / den_stats
+
+    estimate = float(ratio(num[None, :], den[None, :])[0])
+    low, high = _scipy_bootstrap((num, den), ratio, rng, paired, resamples, level)
     return Interval(estimate, low, high, level, "paired bootstrap" if paired else "bootstrap")
 
 
