@@ -1,0 +1,122 @@
+"""The ``oea`` wheel installed where only torch is (docs/architecture.md, "The lean package"): it holds no test
+support, its requirements are torch, numpy and safetensors, and with nothing else installed ``import oea``,
+``oea.route``, both engines' entry points and ``oea doctor`` work while a tool command names ``oea[lab]``.
+
+Offline and without touching any shared environment: the wheel is built from a copy of the sources, and the fresh
+venv sees torch, numpy and safetensors (and what they need) through a ``.pth`` folder of links into this
+interpreter's site-packages, so ``pip install --no-index`` of the wheel finds every requirement already installed
+and nothing else (no scipy, rich, matplotlib, httpx).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from oea.cli import LAB_DEPENDENCIES, LAB_INSTALL
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+LEAN_REQUIREMENTS = ("torch", "numpy", "safetensors")
+TEST_SUPPORT = re.compile(r"sgl_kernel|tiny_moe\.py|tiny_checkpoint\.py|oea/models/(export|stats)\.py|tests/")
+
+
+def _build_wheel(tmp: Path) -> Path:
+    source = tmp / "source"
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp / "dist"), str(source)], check=True, capture_output=True, timeout=600)
+    (wheel,) = (tmp / "dist").glob("oea-*.whl")
+    return wheel
+
+
+def _requirement_closure(names: tuple[str, ...]) -> list[md.Distribution]:
+    """The installed distributions ``names`` need, transitively (requirements not installed here are skipped: they
+    are platform-specific, e.g. CUDA libraries; extras are not followed)."""
+    found: dict[str, md.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = re.split(r"[\s<>=!~;\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if name in found:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        found[name] = dist
+        todo += [req for req in dist.requires or () if "extra ==" not in req]
+    return list(found.values())
+
+
+def _lean_venv(tmp: Path) -> Path:
+    """A venv without pip whose only packages are torch, numpy, safetensors and their requirements (links)."""
+    env = tmp / "venv"
+    venv.EnvBuilder(with_pip=False).create(env)
+    python = env / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    linked = tmp / "torch-only"
+    linked.mkdir()
+    here = Path(sysconfig.get_paths()["purelib"])
+    for dist in _requirement_closure(LEAN_REQUIREMENTS):
+        tops = {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}
+        for top in tops:
+            if (here / top).exists() and not (linked / top).exists():
+                (linked / top).symlink_to(here / top)
+    (site / "torch_only.pth").write_text(f"{linked}\n")
+    return python
+
+
+def test_the_wheel_installs_beside_torch_alone_and_serves_the_plugins_doctor_and_serve(tmp_path: Path) -> None:
+    wheel = _build_wheel(tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if TEST_SUPPORT.search(n)], "test support in the wheel"
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    required = {line.split(":", 1)[1].strip().split(";")[0] for line in metadata.splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    assert {re.split(r"[<>=!~ ]", req)[0] for req in required} == {*LEAN_REQUIREMENTS, "tomli"}
+
+    python = _lean_venv(tmp_path)
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    subprocess.run([*pip, "install", "-q", "--no-index", "--disable-pip-version-check", str(wheel)], check=True,
+                   capture_output=True, timeout=600)
+    show = subprocess.run([*pip, "show", "oea"], check=True, capture_output=True, text=True).stdout
+    requires = next(line for line in show.splitlines() if line.startswith("Requires:"))
+    assert sorted(requires.split(":", 1)[1].replace(" ", "").split(",")) == sorted(LEAN_REQUIREMENTS), requires
+
+    checks = subprocess.run([str(python), "-c", (
+        "import importlib.metadata as md, importlib.util as u, json, torch, oea\n"
+        "ids, _ = oea.route(torch.randn(6, 8), oea.RouterSpec(num_experts=8, top_k=2), oea.OEAConfig(k0=1))\n"
+        "eps = [ep for group in ('vllm.general_plugins', 'sglang.srt.plugins')\n"
+        "       for ep in md.entry_points(group=group) if ep.value.startswith('oea.')]\n"
+        "print(json.dumps({'file': oea.__file__, 'ids': list(ids.shape),\n"
+        "                  'entry_points': sorted(ep.value for ep in eps if callable(ep.load())),\n"
+        f"                  'lab': [m for m in {sorted(LAB_DEPENDENCIES)!r} if u.find_spec(m)]}}))\n")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert checks.returncode == 0, checks.stderr
+    seen = json.loads(checks.stdout)
+    assert seen["file"].startswith(str(tmp_path / "venv")) and seen["ids"] == [6, 2] and seen["lab"] == []
+    assert seen["entry_points"] == ["oea.integrations.sglang:register", "oea.integrations.vllm:register"]
+
+    oea = str(python.parent / "oea")
+    doctor = subprocess.run([oea, "doctor"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert doctor.returncode == 0 and "Traceback" not in doctor.stderr, doctor.stdout + doctor.stderr
+    assert "environment (OEA_* variables)" in doctor.stdout
+    tool = subprocess.run([oea, "report", "--quick", "--out", str(tmp_path / "report")], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert tool.returncode == 2 and tool.stderr.count("\n") == 1 and tool.stderr.strip().endswith(LAB_INSTALL), \
+        tool.stderr
