@@ -88,18 +88,19 @@ cuda-wheels: $(STAMP)
 SOAK_DIR := .cache/soak
 soak: $(STAMP) engines-vllm engines-sglang
 	@mkdir -p $(SOAK_DIR)/vllm $(SOAK_DIR)/sglang
-	model=$$($(PY) -c 'from oea.models import embedded_model_dir; print(embedded_model_dir())'); \
+	model=$$($(PY) -c 'from oea.models import embedded_model_dir; print(embedded_model_dir())'); status=0; \
 	$(VENV)/bin/oea soak --python .venv-vllm/bin/python --requests 2000 --duration 7200 --warmup 256 \
 	  --max-concurrency 32 --identical-outputs topk --out $(SOAK_DIR)/vllm --arm off= \
 	  --arm oea="OEA_K0=3 OEA_METRICS_FILE=$(SOAK_DIR)/vllm/oea.jsonl OEA_TRACE_FILE=$(SOAK_DIR)/vllm/oea-trace.safetensors" \
 	  --arm topk="OEA_K0=8 OEA_METRICS_FILE=$(SOAK_DIR)/vllm/topk.jsonl" \
 	  -- --model $$model --served-model-name m --port 8097 --dtype bfloat16 --max-model-len 512 \
-	  --max-num-seqs 32 --seed 0 --no-enable-chunked-prefill --kv-cache-memory-bytes 134217728; \
+	  --max-num-seqs 32 --seed 0 --no-enable-chunked-prefill --kv-cache-memory-bytes 134217728 || status=1; \
 	$(VENV)/bin/oea soak --python .venv-sglang/bin/python --requests 2000 --duration 3600 --warmup 64 \
 	  --max-concurrency 32 --out $(SOAK_DIR)/sglang --arm off= \
 	  --arm oea="OEA_K0=3 OEA_METRICS_FILE=$(SOAK_DIR)/sglang/oea.jsonl OEA_TRACE_FILE=$(SOAK_DIR)/sglang/oea-trace.safetensors" \
 	  -- --model-path $$model --device cpu --tp 1 --attention-backend torch_native --disable-overlap-schedule \
-	  --dtype bfloat16 --max-total-tokens 4096 --max-running-requests 16 --context-length 512 --port 8297
+	  --dtype bfloat16 --max-total-tokens 4096 --max-running-requests 16 --context-length 512 --port 8297 || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-sglang oea-report

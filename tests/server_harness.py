@@ -1,18 +1,35 @@
-"""What the tests that start real servers share: a free loopback port, and a block that stops every server it
-holds when it is left, by a return, an exception or SIGTERM.
+"""What the tests that start real servers share: a free loopback port, a block that stops every server it
+holds when it is left, by a return, an exception or SIGTERM, and the machine's server slots.
 
 SIGTERM is what a CI runner sends to cancel a job; Python's default handler ends the process at once, so a
 ``finally`` would not run and the servers (each in its own process group) would outlive the test run. Inside
 ``stopping_servers`` SIGTERM raises ``KeyboardInterrupt`` instead, the block unwinds, and each server is stopped
 by ``oea.launch.server_process.stop_server`` (SIGTERM to its group, then SIGKILL).
+
+Server slots: ``make test`` runs the engine tests in two pytest-xdist workers (one per engine,
+``tests/conftest.py``), so two modules' servers may run at once, and the machine has 24 GiB. A slot is about
+1.5 GiB: an SGLang server of the embedded model takes one (launcher, scheduler, detokenizer: 1.5 GiB PSS
+measured), a vLLM server two (API server, engine core, worker and its 1 GiB KV cache: 2.8 GiB PSS measured), a
+vLLM TP = 2 server three; the workers share ``SERVER_SLOTS`` (18 GiB, leaving the rest to pytest, check
+scripts and the page cache). A block that would start servers first waits until its slots are free, or until it
+would be alone (a block larger than the machine's slots still runs, by itself). The slots live in a JSON file of
+the test run (``PYTEST_XDIST_TESTRUNUID``) under an exclusive ``flock``; a holder that died is dropped. Outside
+xdist the slots are not counted: one process starts one module's servers at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import os
 import signal
 import socket
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +37,11 @@ if TYPE_CHECKING:
 
 
 _GIVEN: set[int] = set()  # ports handed out in this test run
+SERVER_SLOTS = 12  # ~1.5 GiB each: what the servers of both xdist workers may hold at once
+SGLANG_SLOTS = 1  # one SGLang server of the embedded model
+VLLM_SLOTS = 2  # one vLLM server (TP = 1)
+VLLM_TP2_SLOTS = 3  # one vLLM server with tensor parallelism 2 (two workers)
+SLOT_POLL_S = 2.0
 
 
 def free_port() -> int:
@@ -39,11 +61,77 @@ def port_of(server: Server) -> int:
     return int(server.base_url.rsplit(":", 1)[1])
 
 
+def _slots_file() -> Path | None:
+    """The slot file shared by this run's xdist workers; None outside xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return Path(tempfile.gettempdir()) / f"oea-test-server-slots-{run}.json" if run else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ServerSlots:
+    """``count`` of the machine's server slots, held by this process from ``acquire`` to ``release``."""
+
+    def __init__(self, count: int, what: str) -> None:
+        self.count, self.what, self.held = count, what, False
+
+    def _update(self, change: int) -> bool:
+        """Under the file's lock: add ``change`` slots for this process if they fit (always for a release);
+        whether it did."""
+        path = _slots_file()
+        assert path is not None
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            text = f.read()
+            holders = {int(pid): n for pid, n in (json.loads(text) if text.strip() else {}).items()
+                       if _alive(int(pid))}
+            mine = holders.pop(os.getpid(), 0)
+            others = sum(holders.values())
+            if change > 0 and others and others + mine + change > SERVER_SLOTS:
+                return False
+            if mine + change > 0:
+                holders[os.getpid()] = mine + change
+            f.seek(0)
+            f.truncate()
+            json.dump({str(pid): n for pid, n in holders.items()}, f)
+            return True
+
+    def acquire(self) -> ServerSlots:
+        """Wait until this block's servers fit beside the other worker's (no time limit of its own: the test's
+        pytest-timeout bounds it, and the other worker's servers are stopped by their own blocks)."""
+        if _slots_file() is None or self.count <= 0 or self.held:
+            return self
+        waited = time.monotonic()
+        while not self._update(self.count):
+            time.sleep(SLOT_POLL_S)
+        if time.monotonic() - waited > SLOT_POLL_S:
+            print(f"{self.what}: waited {time.monotonic() - waited:.0f} s for {self.count} server slots",
+                  file=sys.stderr)
+        self.held = True
+        return self
+
+    def release(self) -> None:
+        if self.held:
+            self._update(-self.count)
+            self.held = False
+
+
 @contextlib.contextmanager
-def stopping_servers() -> Iterator[dict[str, Server]]:
+def stopping_servers(slots: int = 0, what: str = "servers") -> Iterator[dict[str, Server]]:
     """A dict (name -> started ``Server``) for the block to fill; every server still in it is stopped on leaving.
 
-    A server the block stops itself can stay in the dict (stopping twice is harmless) or be popped from it.
+    ``slots``: the server slots of the servers the block will start (``VLLM_SLOTS`` per vLLM server, ...): it waits
+    for them first, and frees them once its servers are stopped. A server the block stops itself can stay in the dict
+    (stopping twice is harmless) or be popped from it.
     """
     from oea.launch.server_process import stop_server
 
@@ -53,11 +141,14 @@ def stopping_servers() -> Iterator[dict[str, Server]]:
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    held = ServerSlots(slots, what)
     try:
+        held.acquire()
         yield servers
     finally:
         try:
             for server in servers.values():
                 stop_server(server)
         finally:
+            held.release()
             signal.signal(signal.SIGTERM, previous)

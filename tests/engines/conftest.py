@@ -1,4 +1,11 @@
-"""The live SGLang servers of the ``test_sglang_server*`` modules, started once for all of them.
+"""How the engine tests are spread over pytest-xdist workers, and the live SGLang servers of the
+``test_sglang_server*`` modules, started once for all of them.
+
+``make test`` runs the engine tests in two xdist workers, one per engine (``tests/conftest.py``'s scheduler):
+every test of one engine runs in the same worker, in collection order, so a session fixture (``sglang_servers``)
+starts once and modules never race for it; the vLLM and SGLang tests run beside each other, which fills the core
+that a server serving alone leaves idle. How many servers run at once across both is bounded by the server slots
+of ``server_harness`` (memory). Outside xdist nothing changes.
 
 ``sglang_servers`` (session scope) starts every server the modules of the session need together
 (``sglang_server.server_arms``: the embedded model OEA off / ``OEA_K0`` = top_k / ``OEA_K0=3`` with its trace
@@ -21,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_harness import stopping_servers
+from server_harness import SGLANG_SLOTS, ServerSlots, stopping_servers
 
 SERVERS_FIXTURE = "sglang_servers"
 _LIVE: dict[str, Any] = {}  # the started servers (name -> sglang_server.Live), while they run
+_SLOTS: list[ServerSlots] = []  # their server slots, freed when they stop
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +43,12 @@ def sglang_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     work = tmp_path_factory.mktemp("sglang_server")
     modules = {test.module.__name__ for test in request.session.items  # the servers of the modules selected
                if SERVERS_FIXTURE in getattr(test, "fixturenames", ()) and getattr(test, "module", None)}
+    arms = server_arms(work, modules)
+    slots = ServerSlots(SGLANG_SLOTS * len(arms), "sglang shared servers")
+    _SLOTS.append(slots)
     with stopping_servers() as held:
-        started = start_all(server_arms(work, modules), work, expect_failure=("bad",))
+        slots.acquire()
+        started = start_all(arms, work, expect_failure=("bad",))
         held.update({name: live.server for name, live in started.items()})
         _LIVE.update(started)
         try:
@@ -44,6 +56,7 @@ def sglang_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
         finally:
             stop_all(started.values())
             _LIVE.clear()
+            slots.release()
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
@@ -58,6 +71,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
         stop_all(_LIVE.values())
         _LIVE.clear()
+        for slots in _SLOTS:
+            slots.release()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ SGLang scheduler serving alone leaves most of the second core idle; each soak me
 group, and the growth of ``oea`` is compared with that of ``off`` under the same load), the other parts one at a
 time; each server is stopped by its process group in ``finally`` (SIGTERM of this process included):
 
-* ``off``: OEA off, the soak's baseline (the seeded mix, 200 requests after the warm-up);
+* ``off``: OEA off, the soak's baseline (the seeded mix, 100 requests after the warm-up: a short soak;
+  ``make soak`` runs 2,000 per arm);
 * ``oea``: ``OEA_K0=3`` with ``OEA_METRICS_FILE`` and ``OEA_TRACE_FILE``: the same soak; once it is idle its
   metrics and trace are checked; then a burst of long requests and, mid-burst, SIGKILL of the whole process
   group (``chaos``): the trace left behind must load and validate;
@@ -39,7 +40,7 @@ from typing import Any
 
 import pytest
 import soak_support as shared
-from server_harness import stopping_servers
+from server_harness import SGLANG_SLOTS, stopping_servers
 from sglang_server import Arm, start_all
 
 from oea.soak.checks import arm_checks, read_metrics
@@ -53,7 +54,7 @@ CONTEXT = "256"
 CHAOS = Path(__file__).resolve().parent / "sglang_chaos"
 RAISING_LAYER = 1
 TMPFS_BYTES = 2**19
-SOAK = SoakConfig(requests=200, duration_s=600, warmup=32, seed=0, max_concurrency=32, probe=False)
+SOAK = SoakConfig(requests=100, duration_s=600, warmup=32, seed=0, max_concurrency=32, probe=False)
 SHORT = SoakConfig(requests=60, duration_s=300, warmup=8, seed=7, max_concurrency=32, probe=False)
 RAISED = "routing rewrite failed"
 ABSOLUTE_MEMORY = "RSS growth after warm-up within"  # arm_checks' absolute bound: SGLang's scheduler misses it alone
@@ -82,7 +83,8 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     arms = {name: {**LEAK_CHECK_ENV, **env} for name, env in arms.items()}  # as oea soak starts servers
     started = time.monotonic()
     out: dict[str, Any] = {}
-    with shared.small_disk(tmpfs, TMPFS_BYTES, out), stopping_servers() as held:  # stopped before the unmount
+    with (shared.small_disk(tmpfs, TMPFS_BYTES, out),  # the servers are stopped before the unmount
+          stopping_servers(slots=SGLANG_SLOTS * len(arms), what="sglang soak") as held):
         live = start_all([Arm(name, env, args=("--context-length", CONTEXT)) for name, env in arms.items()], work)
         held.update({name: server.server for name, server in live.items()})
         print(f"\nsoak: five SGLang servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from engine_venvs import engine_python
-from server_harness import free_port, port_of, stopping_servers
+from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import CODE_PROMPTS, complete, server_args, server_env, start_healthy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -57,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     results: dict[str, dict] = {}
     started = time.monotonic()
 
-    with stopping_servers() as servers:
+    with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm inflated") as servers:
         for wave in ([[name] for name in arms] if large else [list(arms)]):
             launches = {}
             for name in wave:

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_venvs import engine_python
-from server_harness import free_port, port_of, stopping_servers
+from server_harness import VLLM_TP2_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args, start_healthy
 
 import oea
@@ -88,7 +88,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     started = time.monotonic()
     tp2_flags = ["--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes", str(128 * 2**20)]
 
-    with stopping_servers() as servers:
+    with stopping_servers(slots=VLLM_TP2_SLOTS * max(len(wave) for wave in WAVES), what="vllm TP=2") as servers:
         for wave in WAVES:  # each TP = 2 server holds ~3.3 GB (API, engine, 2 workers)
             launches = {}
             for name in wave:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_venvs import engine_python
-from server_harness import free_port, port_of, stopping_servers
+from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args, server_env
 
 import oea
@@ -79,7 +79,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     # Started together (start-up dominates on two cores and overlaps), then exercised one at a time so that no
     # two compete for the cores while serving; each is stopped once exercised, which finishes its trace.
-    with stopping_servers() as servers:
+    with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm recording") as servers:
         for name, extra in arms.items():
             args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16)
             servers[name] = start_server(args, server_env(extra), python=str(VLLM_PYTHON),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from engine_venvs import engine_python
-from server_harness import free_port, port_of, stopping_servers
+from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # test support, outside the oea package
@@ -85,7 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     results: dict[str, dict] = {}
     started = time.monotonic()
 
-    with stopping_servers(slots=len(arms), what="vllm server") as servers:
+    with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm server") as servers:
         for name, extra in arms.items():
             env = server_env(extra)
             # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).

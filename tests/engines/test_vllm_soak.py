@@ -4,7 +4,8 @@ mode), driven by ``oea soak``'s library (``oea.soak``); docs/reliability.md says
 Five servers on 127.0.0.1 are started together (start-up dominates on two cores), then used one at a time, and
 each is stopped by its process group in ``finally`` (SIGTERM of this process included):
 
-* ``off``: OEA off, the soak's baseline (the seeded mix, 200 requests after the warm-up);
+* ``off``: OEA off, the soak's baseline (the seeded mix, 100 requests after the warm-up: a short soak;
+  ``make soak`` runs 2,000 per arm);
 * ``oea``: ``OEA_K0=3`` with ``OEA_METRICS_FILE`` and ``OEA_TRACE_FILE``: the same soak; once it is idle its
   metrics and trace are checked; then a burst of long requests and, mid-burst, SIGKILL of the whole process
   group (``chaos``): the trace left behind must load and validate;
@@ -30,7 +31,7 @@ from typing import Any
 
 import pytest
 from engine_venvs import engine_python
-from server_harness import free_port, stopping_servers
+from server_harness import VLLM_SLOTS, free_port, stopping_servers
 from soak_support import (
     Soak,
     check_full_disk,
@@ -60,7 +61,7 @@ K0 = 3
 CHAOS = Path(__file__).resolve().parent / "vllm_chaos"
 RAISING_ROUTER = 1
 TMPFS_BYTES = 2 * 2**20
-SOAK = SoakConfig(requests=200, duration_s=600, warmup=32, seed=0, max_concurrency=32)
+SOAK = SoakConfig(requests=100, duration_s=600, warmup=32, seed=0, max_concurrency=32)
 SHORT = SoakConfig(requests=80, duration_s=300, warmup=8, seed=7, max_concurrency=32, probe=False)
 EXPERTS, TOP_K = router_shape()
 
@@ -89,7 +90,8 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             **fault_arms(work, tmpfs, K0, CHAOS, {"TEST_OEA_RAISE_IN_ROUTER": str(RAISING_ROUTER)})}
     started = time.monotonic()
     out: dict[str, Any] = {}
-    with small_disk(tmpfs, TMPFS_BYTES, out), stopping_servers() as servers:  # stopped before the unmount
+    with (small_disk(tmpfs, TMPFS_BYTES, out),  # the servers are stopped before the unmount
+          stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm soak") as servers):
         for name, extra in arms.items():
             servers[name] = start_server(_args(free_port()), _env(extra), python=str(VLLM_PYTHON),
                                          log_path=work / f"{name}.log", cwd=work)

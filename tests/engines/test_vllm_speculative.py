@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_venvs import engine_python
-from server_harness import free_port, port_of, stopping_servers
+from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
 import oea
@@ -90,7 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     results: dict[str, dict] = {}
     started = time.monotonic()
 
-    with stopping_servers() as servers:
+    with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm speculative") as servers:
         for name, extra in arms.items():
             env = server_env({**extra, "OEA_METRICS_FILE": str(work / f"{name}.jsonl")})
             args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16,

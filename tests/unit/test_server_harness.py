@@ -1,15 +1,20 @@
 """``tests/server_harness.py``, the block every real-server test starts its servers in: SIGTERM to the test
 process (a cancelled CI job) stops every server it holds, process group and all, and the previous handler is
-back once the block is left."""
+back once the block is left; and the server slots that keep two xdist workers' servers within the machine's
+memory."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 from server_harness import free_port, port_of, stopping_servers
 
@@ -102,3 +107,82 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch) -> None:
     monkeypatch.setattr(server_harness, "_GIVEN", set())
     monkeypatch.setattr(socket, "socket", Socket)
     assert [free_port(), free_port(), free_port()] == [40001, 40002, 40003]
+
+
+# A process of another xdist worker: holds ``argv[1]`` server slots until a line arrives on stdin (or it is killed).
+HOLDER = """
+import sys
+from server_harness import ServerSlots
+slots = ServerSlots(int(sys.argv[1]), "holder").acquire()
+print("held", flush=True)
+sys.stdin.readline()
+slots.release()
+print("released", flush=True)
+"""
+
+
+def _holder(count: int, run_id: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id,
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(count)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _acquire_in_thread(count: int) -> tuple[Any, threading.Event]:
+    import server_harness
+
+    got = threading.Event()
+    slots = server_harness.ServerSlots(count, "test")
+
+    def take() -> None:
+        slots.acquire()
+        got.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    return slots, got
+
+
+def test_server_slots_wait_for_another_workers_servers_and_drop_a_dead_holder(monkeypatch: Any) -> None:
+    import server_harness
+
+    run_id = f"test-{uuid.uuid4().hex}"
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run_id)
+    monkeypatch.setattr(server_harness, "SLOT_POLL_S", 0.05)
+    path = server_harness._slots_file()
+    assert path is not None
+    try:
+        first = _holder(server_harness.SERVER_SLOTS - 3, run_id)  # 6 of 9 held by the other worker
+        small, got_small = _acquire_in_thread(3)
+        assert got_small.wait(60), "3 slots fit beside 6 of 9"
+        small.release()
+        large, got_large = _acquire_in_thread(4)
+        assert not got_large.wait(1.0), "4 slots do not fit beside 6 of 9: the block must wait"
+        assert first.stdin is not None
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert got_large.wait(60), "the other worker's servers stopped: the slots are free"
+        assert first.stdout is not None and first.stdout.readline().strip() == "released"
+        first.wait(timeout=60)
+        large.release()
+
+        second = _holder(2, run_id)
+        alone, got_alone = _acquire_in_thread(server_harness.SERVER_SLOTS)
+        assert not got_alone.wait(1.0), "a block as large as the machine's slots waits until it is alone"
+        second.kill()  # a worker that died holding slots
+        second.wait(timeout=60)
+        assert got_alone.wait(60), "a dead holder's slots are dropped"
+        assert json.loads(path.read_text()) == {str(os.getpid()): server_harness.SERVER_SLOTS}
+        alone.release()
+        assert json.loads(path.read_text()) == {}
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_server_slots_are_not_counted_outside_xdist(monkeypatch: Any) -> None:
+    import server_harness
+
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
+    slots = server_harness.ServerSlots(100, "test").acquire()
+    assert not slots.held and server_harness._slots_file() is None
