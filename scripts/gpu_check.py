@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import oea
-from oea.integrations.doctor_gpu import graphed  # CUDA-graph capture + replay (eager on CPU)
+from oea.kernels.doctor_gpu import graphed  # CUDA-graph capture + replay (eager on CPU)
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -1,4 +1,4 @@
-"""``oea doctor gpu`` (``oea.integrations.doctor_gpu``) on this CPU-only machine.
+"""``oea doctor gpu`` (``oea.kernels.doctor_gpu``) on this CPU-only machine.
 
 What is real here: the compile check (Triton's own compiler and ptxas build real cubins for the capability
 the stand-in reports: sm_90 compiles, sm_35 is refused by ptxas), the exactness comparison and its failure
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import oea
-import oea.integrations.doctor_gpu as doctor_gpu
+import oea.kernels.doctor_gpu as doctor_gpu
 from oea.cli import main
 from oea.kernels import aot, triton_available
 
@@ -88,7 +88,7 @@ def test_a_kernel_that_differs_from_route_fails(monkeypatch) -> None:
         ids, weights = real(logits, spec, cfg, valid, impl=impl)
         return ids.flip(1), weights.flip(1)
 
-    monkeypatch.setattr(oea, "route_fast", swapped)
+    monkeypatch.setattr(doctor_gpu, "route_fast", swapped)
     report, code = _run(_stand_in())
     exact = report["checks"][2]
     assert code == 1 and not report["ok"] and not exact["ok"]
@@ -112,7 +112,7 @@ def test_an_error_inside_a_check_is_a_failed_check(monkeypatch) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr("oea.kernels.triton_available", lambda: False)
-    monkeypatch.setattr(oea, "route_fast", broken)
+    monkeypatch.setattr(doctor_gpu, "route_fast", broken)
     report, code = _run(_stand_in())
     assert code == 1
     assert report["checks"][2] == {"name": "exactness", "ok": False,

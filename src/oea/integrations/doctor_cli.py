@@ -44,7 +44,7 @@ def _doctor(args: argparse.Namespace) -> int:
     import sys
 
     if args.engine == "gpu":
-        from oea.integrations.doctor_gpu import format_gpu, gpu_report
+        from oea.kernels.doctor_gpu import format_gpu, gpu_report
 
         gpu, code = gpu_report(allow_cpu=args.allow_cpu)
         print(json.dumps(gpu, indent=2) if args.json else format_gpu(gpu))

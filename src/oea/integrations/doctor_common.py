@@ -11,14 +11,10 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import re
 from collections.abc import Callable
-from typing import Any
 
-Check = dict[str, Any]
+from oea.kernels.doctor_gpu import Check, check, installed_version  # the record every doctor shares, defined lowest
 
-
-def check(name: str, ok: bool, detail: str) -> Check:
-    """One check record: ``{"name", "ok", "detail"}``."""
-    return {"name": name, "ok": bool(ok), "detail": detail}
+__all__ = ["Check", "check", "check_call", "entry_point_checks", "installed_version", "version_tuple"]
 
 
 def check_call(name: str, fn: Callable[[], str]) -> Check:
@@ -33,16 +29,6 @@ def check_call(name: str, fn: Callable[[], str]) -> Check:
         return check(name, False, str(err))
     except Exception as err:
         return check(name, False, f"{type(err).__name__}: {err}")
-
-
-def installed_version(*distributions: str) -> str | None:
-    """The version of the first of ``distributions`` that is installed (package metadata), or None."""
-    for dist in distributions:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

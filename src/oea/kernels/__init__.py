@@ -5,8 +5,12 @@ signature and results and runs the fastest implementation that reproduces them (
 
 * ``numba_cpu.py``: one compiled CPU call (numba, imported on first use); the kernels in ``numba_kernels.py``,
   compiled once and then loaded from numba's on-disk cache by every later process;
-* ``triton_gpu.py``: two Triton launches on CUDA (Triton's interpreter runs them on CPU for the tests);
-* ``oea.route`` itself for anything a kernel cannot reproduce exactly (``params.py`` says what is covered).
+* ``triton_gpu.py``: two Triton launches on CUDA (Triton's interpreter runs them on CPU for the tests), the
+  kernels themselves in ``triton_source.py``;
+* ``oea.route`` itself for anything a kernel cannot reproduce exactly (``params.py`` says what is covered);
+* ``aot.py``: the Triton kernels compiled ahead of time for a GPU capability; ``doctor_gpu.py``: ``oea doctor
+  gpu`` (do the kernels compile, equal ``oea.route`` and replay in a CUDA graph on this GPU), and the check record
+  every doctor shares.
 
 Kernels import nothing of the project but ``oea.routing``; numba and Triton only inside functions
 (``numba_kernels.py``, which imports numba at the top, is itself imported only on first use).

@@ -15,19 +15,41 @@ On CUDA, four checks (each ``{"name", "ok", "detail"}``, as the engine doctors')
 
 Without CUDA: one line saying so and exit status 1; with ``allow_cpu`` exit 0 and what would run. The CUDA
 calls go through a ``Device`` (``CUDA``: ``torch.cuda``); the tests replace it with a stand-in on CPU.
+
+It sits beside the kernels it checks and imports only them and ``oea.routing``; the check record (``Check``,
+``check``) and ``installed_version`` are defined here, the lowest layer that reports checks, and the engine
+doctors take them from here (``oea.integrations.doctor_common``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from oea.integrations.doctor_common import Check, check
+from oea.kernels.dispatch import route_fast
+from oea.routing import OEAConfig, PrunedConfig, RouterSpec, route
 
 FAST_PATH_FALLBACK = "oea.route (PyTorch)"
+Check = dict[str, Any]
+
+
+def check(name: str, ok: bool, detail: str) -> Check:
+    """One check record: ``{"name", "ok", "detail"}`` (every doctor's)."""
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
+def installed_version(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` that is installed (package metadata), or None."""
+    for dist in distributions:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def graphed(fn: Callable[..., Any], *static_inputs: torch.Tensor) -> Callable[..., Any]:
@@ -73,8 +95,6 @@ CUDA = Device(torch.cuda.is_available, lambda: torch.cuda.get_device_capability(
 
 
 def _triton_version() -> str | None:
-    from oea.integrations.doctor_common import installed_version
-
     return installed_version("triton")
 
 
@@ -100,15 +120,13 @@ def _compile(capability: tuple[int, int], specialisations: Sequence[Any]) -> tup
 
 def _cases(device: str) -> list[tuple[str, torch.Tensor, Any, Any, torch.Tensor | None]]:
     """(label, logits, spec, cfg, valid) on ``device``: both families, three dtypes, padding, three policies."""
-    import oea
-
     gen = torch.Generator().manual_seed(0)
     bias = (torch.randn(256, generator=gen) * 0.1).to(device)
-    routers = {"softmax N=128 k=8": (oea.RouterSpec(128, 8), torch.bfloat16),
-               "softmax N=60 k=4": (oea.RouterSpec(60, 4), torch.float16),
-               "sigmoid-grouped N=256 k=8": (oea.RouterSpec(256, 8, "sigmoid", correction_bias=bias, n_group=8,
+    routers = {"softmax N=128 k=8": (RouterSpec(128, 8), torch.bfloat16),
+               "softmax N=60 k=4": (RouterSpec(60, 4), torch.float16),
+               "sigmoid-grouped N=256 k=8": (RouterSpec(256, 8, "sigmoid", correction_bias=bias, n_group=8,
                                                             topk_group=4, routed_scaling_factor=2.5), torch.float32)}
-    configs = {"vanilla": None, "oea k0=3": oea.OEAConfig(3), "pruned k0=2": oea.PrunedConfig(2)}
+    configs = {"vanilla": None, "oea k0=3": OEAConfig(3), "pruned k0=2": PrunedConfig(2)}
     cases = []
     for router, (spec, dtype) in routers.items():
         for policy, cfg in configs.items():
@@ -121,7 +139,7 @@ def _cases(device: str) -> list[tuple[str, torch.Tensor, Any, Any, torch.Tensor 
 
 def _mismatch(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str | None:
     """Why two routings differ: ids not bit-equal, or weights beyond the kernels' stated tolerance."""
-    from oea.kernels import WEIGHT_ATOL, WEIGHT_RTOL
+    from oea.kernels.dispatch import WEIGHT_ATOL, WEIGHT_RTOL
 
     ids, weights = got[0].cpu(), got[1].float().cpu()
     want_ids, want_weights = want[0].cpu(), want[1].float().cpu()
@@ -133,12 +151,10 @@ def _mismatch(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, 
 
 
 def _exactness(device: Device, impl: str) -> Check:
-    import oea
-
     cases = _cases(device.device)
     bad = []
     for label, logits, spec, cfg, valid in cases:
-        why = _mismatch(oea.route_fast(logits, spec, cfg, valid, impl=impl), oea.route(logits, spec, cfg, valid))
+        why = _mismatch(route_fast(logits, spec, cfg, valid, impl=impl), route(logits, spec, cfg, valid))
         if why is not None:
             bad.append(f"{label}: {why}")
     if bad:
@@ -149,16 +165,14 @@ def _exactness(device: Device, impl: str) -> Check:
 
 
 def _graph(device: Device, impl: str) -> Check:
-    import oea
-
     gen = torch.Generator().manual_seed(1)
-    spec, cfg = oea.RouterSpec(128, 8), oea.OEAConfig(3)
+    spec, cfg = RouterSpec(128, 8), OEAConfig(3)
     valid = (torch.arange(32) < 28).to(device.device)
     static = torch.randn(32, 128, generator=gen).to(device.device, torch.bfloat16)
-    replay = device.capture(lambda x: oea.route_fast(x, spec, cfg, valid, impl=impl), static)
+    replay = device.capture(lambda x: route_fast(x, spec, cfg, valid, impl=impl), static)
     for trial in range(3):
         logits = (torch.randn(32, 128, generator=gen) * (1 + trial)).to(device.device, torch.bfloat16)
-        why = _mismatch(replay(logits), oea.route(logits, spec, cfg, valid))
+        why = _mismatch(replay(logits), route(logits, spec, cfg, valid))
         if why is not None:
             return check("cuda graph", False, f"replay {trial} of the captured route_fast call: {why}")
     return check("cuda graph", True, f"route_fast(impl={impl!r}) captured once, 3 replays on new logits == oea.route")
@@ -173,8 +187,7 @@ def _safe(name: str, fn: Callable[[], Check]) -> Check:
 
 def without_cuda_line(allow_cpu: bool) -> str:
     """The one line of a machine without CUDA (with ``allow_cpu``: what runs here and what would on a GPU)."""
-    from oea.kernels import choose_impl
-    from oea.routing import OEAConfig, RouterSpec
+    from oea.kernels.dispatch import choose_impl
 
     cuda_build = torch.version.cuda is not None
     why = "no CUDA device visible" if cuda_build else f"torch {torch.__version__} is a CPU build"
