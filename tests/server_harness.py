@@ -84,26 +84,37 @@ class ServerSlots:
         self.count, self.what, self.held = count, what, False
 
     def _update(self, change: int) -> bool:
-        """Under the file's lock: add ``change`` slots for this process if they fit (always for a release);
-        whether it did."""
+        """Under the file's lock: take ``change`` slots for this process if they fit and no earlier waiter of
+        another process would be kept out by it (first come, first served), else queue as a waiter; a release
+        (``change`` < 0) always succeeds. Whether the slots changed."""
         path = _slots_file()
         assert path is not None
+        me = os.getpid()
         with open(path, "a+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             f.seek(0)
             text = f.read()
-            holders = {int(pid): n for pid, n in (json.loads(text) if text.strip() else {}).items()
-                       if _alive(int(pid))}
-            mine = holders.pop(os.getpid(), 0)
+            state = json.loads(text) if text.strip() else {}
+            holders = {int(pid): n for pid, n in state.get("held", {}).items() if _alive(int(pid))}
+            waiting = [(int(pid), n) for pid, n in state.get("waiting", []) if _alive(int(pid))]
+            mine = holders.pop(me, 0)
             others = sum(holders.values())
-            if change > 0 and others and others + mine + change > SERVER_SLOTS:
-                return False
-            if mine + change > 0:
-                holders[os.getpid()] = mine + change
+            granted = True
+            if change > 0:
+                if me not in [pid for pid, _ in waiting]:
+                    waiting.append((me, change))
+                ahead = sum(n for _, n in waiting[:[pid for pid, _ in waiting].index(me)])
+                granted = (not others and not ahead) or others + mine + change + ahead <= SERVER_SLOTS
+                if granted:
+                    waiting = [(pid, n) for pid, n in waiting if pid != me]
+            now = mine + change if granted else mine
+            if now > 0:
+                holders[me] = now
             f.seek(0)
             f.truncate()
-            json.dump({str(pid): n for pid, n in holders.items()}, f)
-            return True
+            json.dump({"held": {str(pid): n for pid, n in holders.items()},
+                       "waiting": [[pid, n] for pid, n in waiting]}, f)
+            return granted
 
     def acquire(self) -> ServerSlots:
         """Wait until this block's servers fit beside the other worker's (no time limit of its own: the test's

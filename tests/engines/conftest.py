@@ -30,9 +30,34 @@ from typing import Any
 import pytest
 from server_harness import SGLANG_SLOTS, ServerSlots, stopping_servers
 
+# The order each engine's worker runs its modules in (any other module last, in collection order): the modules
+# whose servers fit beside the other engine's (server slots) run while it runs its own; the vLLM modules that
+# start many servers run while SGLang's worker runs check scripts, which start none.
+MODULE_ORDER = {
+    "vllm": ("test_vllm_inflated", "test_vllm_recording_server", "test_vllm_plugin_hooks", "test_vllm_placement",
+             "test_cuda_release_targets", "test_vllm_server", "test_vllm_speculative", "test_vllm_parallel",
+             "test_vllm_soak"),
+    "sglang": ("test_sglang_soak", "test_sglang_doctor", "test_sglang_metrics", "test_sglang_padding",
+               "test_sglang_placement", "test_sglang_recording", "test_sglang_routing", "test_sglang_verify",
+               "test_sglang_server", "test_sglang_server_recording", "test_sglang_server_sigmoid"),
+}
 SERVERS_FIXTURE = "sglang_servers"
 _LIVE: dict[str, Any] = {}  # the started servers (name -> sglang_server.Live), while they run
 _SLOTS: list[ServerSlots] = []  # their server slots, freed when they stop
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each engine's modules in ``MODULE_ORDER`` (a stable sort: the tests of a module stay together and in order;
+    the other tests of the run keep their places before the engine tests)."""
+    order = {name: rank for names in MODULE_ORDER.values() for rank, name in enumerate(names)}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        if "/tests/engines/" not in f"/{item.nodeid}":
+            return (0, 0)
+        return (1, order.get(module.rsplit(".", 1)[-1], len(order)))
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")

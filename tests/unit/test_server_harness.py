@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -121,13 +122,29 @@ print("released", flush=True)
 """
 
 
-def _holder(count: int, run_id: str) -> subprocess.Popen[str]:
+def _holder(count: int, run_id: str, wait: bool = True) -> subprocess.Popen[str]:
+    """A process holding ``count`` slots (``wait``: once it said so)."""
     env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id,
            "PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(count)], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    if wait:
+        assert _says_held(holder, 120), "the holder never got its slots"
     return holder
+
+
+def _says_held(holder: subprocess.Popen[str], timeout: float) -> bool:
+    assert holder.stdout is not None
+    ready, _, _ = select.select([holder.stdout], [], [], timeout)
+    return bool(ready) and holder.stdout.readline().strip() == "held"
+
+
+def _release(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None and holder.stdout is not None
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert holder.stdout.readline().strip() == "released"
+    holder.wait(timeout=60)
 
 
 def _acquire_in_thread(count: int) -> tuple[Any, threading.Event]:
@@ -144,7 +161,7 @@ def _acquire_in_thread(count: int) -> tuple[Any, threading.Event]:
     return slots, got
 
 
-def test_server_slots_wait_for_another_workers_servers_and_drop_a_dead_holder(monkeypatch: Any) -> None:
+def test_server_slots_wait_for_another_workers_servers_in_turn_and_drop_a_dead_holder(monkeypatch: Any) -> None:
     import server_harness
 
     run_id = f"test-{uuid.uuid4().hex}"
@@ -153,18 +170,18 @@ def test_server_slots_wait_for_another_workers_servers_and_drop_a_dead_holder(mo
     path = server_harness._slots_file()
     assert path is not None
     try:
-        first = _holder(server_harness.SERVER_SLOTS - 3, run_id)  # 6 of 9 held by the other worker
+        first = _holder(server_harness.SERVER_SLOTS - 3, run_id)  # 9 of 12 held by the other worker
         small, got_small = _acquire_in_thread(3)
-        assert got_small.wait(60), "3 slots fit beside 6 of 9"
+        assert got_small.wait(60), "3 slots fit beside 9 of 12"
         small.release()
         large, got_large = _acquire_in_thread(4)
-        assert not got_large.wait(1.0), "4 slots do not fit beside 6 of 9: the block must wait"
-        assert first.stdin is not None
-        first.stdin.write("\n")
-        first.stdin.flush()
+        assert not got_large.wait(1.0), "4 slots do not fit beside 9 of 12: the block must wait"
+        late = _holder(3, run_id, wait=False)  # fits beside the 9, but the 4 asked first
+        assert not _says_held(late, 1.0), "a later block went before the waiting one"
+        _release(first)
         assert got_large.wait(60), "the other worker's servers stopped: the slots are free"
-        assert first.stdout is not None and first.stdout.readline().strip() == "released"
-        first.wait(timeout=60)
+        assert _says_held(late, 120), "3 slots fit beside the 4 now held"
+        _release(late)
         large.release()
 
         second = _holder(2, run_id)
@@ -173,9 +190,10 @@ def test_server_slots_wait_for_another_workers_servers_and_drop_a_dead_holder(mo
         second.kill()  # a worker that died holding slots
         second.wait(timeout=60)
         assert got_alone.wait(60), "a dead holder's slots are dropped"
-        assert json.loads(path.read_text()) == {str(os.getpid()): server_harness.SERVER_SLOTS}
+        assert json.loads(path.read_text()) == {"held": {str(os.getpid()): server_harness.SERVER_SLOTS},
+                                                "waiting": []}
         alone.release()
-        assert json.loads(path.read_text()) == {}
+        assert json.loads(path.read_text()) == {"held": {}, "waiting": []}
     finally:
         path.unlink(missing_ok=True)
 
