@@ -24,11 +24,10 @@ from oea.config import (
     blank_note,
     blank_variables,
     layer_configs,
-    metrics_flush_interval,
-    settings_from_env,
     timing_from_env,
     trace_settings_from_env,
 )
+from oea.config.settings import all_settings_from_env
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
 from oea.integrations.sglang.placement import install as install_ep_placements
 from oea.integrations.sglang.routing import select_experts_around_legacy
@@ -47,10 +46,7 @@ def register() -> None:
     without the requested configuration; ``SystemExit`` makes it a start-up error instead.
     """
     try:
-        settings = settings_from_env()
-        trace = trace_settings_from_env()
-        timing = timing_from_env()
-        metrics_flush_interval()
+        settings = all_settings_from_env()  # every OEA_* setting, read once for this process
         layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0
     except ValueError as err:
         # SystemExit's message is the one line the process prints (a log line beside it would repeat it)
@@ -58,8 +54,8 @@ def register() -> None:
     blank = blank_note(blank_variables(os.environ))
     if blank:  # OEA_K0= is read as unset: said, not silent
         warn_once("blank", blank)
-    recording.configure(trace, settings.apply_to_verify)  # an unwritable OEA_TRACE_FILE: a warning, no recording
-    metrics.configure(settings, timing)  # an unwritable OEA_METRICS_FILE: a warning, no metrics
+    recording.configure(settings.trace, settings.apply_to_verify)  # unwritable OEA_TRACE_FILE: a warning, no recording
+    metrics.configure(settings, settings.timing)  # an unwritable OEA_METRICS_FILE: a warning, no metrics
     if settings.oea is None and recording.TRACE.settings is None and metrics.METRICS.path is None:
         log.info("oea: OEA_K0 unset; SGLang routing unchanged")
         return

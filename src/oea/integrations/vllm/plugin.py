@@ -27,11 +27,8 @@ from oea.config import (
     blank_note,
     blank_variables,
     layer_configs,
-    metrics_flush_interval,
-    settings_from_env,
-    timing_from_env,
-    trace_settings_from_env,
 )
+from oea.config.settings import all_settings_from_env
 from oea.integrations.metrics import MetricsWriter
 from oea.integrations.recorder import trace_path_problem
 from oea.integrations.recording_common import writable_settings
@@ -54,9 +51,9 @@ def register() -> None:
     Raises ``ValueError`` naming the variable when an ``OEA_*`` value is malformed, which stops vLLM
     at start-up (better than serving with a silently wrong configuration).
     """
-    settings = settings_from_env()
-    timing = timing_from_env()
-    trace = _trace_settings()
+    settings = all_settings_from_env()  # every OEA_* setting, read once for this process
+    timing = settings.timing
+    trace = _trace_settings(settings.trace)
     observed = settings.metrics_file or timing or trace is not None
     mode = "oea" if settings.oea is not None else ("observe" if observed else "off")
     layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0, else start-up stops naming it
@@ -74,9 +71,9 @@ def register() -> None:
              ", ".join(wrapped))
 
 
-def _trace_settings() -> TraceSettings | None:
-    """``OEA_TRACE_*`` (a malformed value stops start-up); an unwritable file is a warning: no recording."""
-    return writable_settings(trace_settings_from_env(), log)
+def _trace_settings(trace: TraceSettings | None) -> TraceSettings | None:
+    """``OEA_TRACE_*`` as read (a malformed value stopped start-up); an unwritable file is a warning: no recording."""
+    return writable_settings(trace, log)
 
 
 def _process_title() -> str:
@@ -234,7 +231,7 @@ def _after_load(model: torch.nn.Module) -> None:
     if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
         problem = trace_path_problem(STATE.settings.metrics_file)  # the same test: a file this process writes
         if problem is None:
-            STATE.metrics = MetricsWriter(STATE.settings.metrics_file, metrics_flush_interval(), log)
+            STATE.metrics = MetricsWriter(STATE.settings.metrics_file, STATE.settings.metrics_flush_s, log)
         else:
             warn_once("metrics-path", f"OEA_METRICS_FILE={STATE.settings.metrics_file} cannot be written "
                                       f"({problem}); serving without metrics")
