@@ -16,13 +16,11 @@ import pytest
 import torch
 from sglang_stand_ins import FakeMode, topk_config, topk_module
 from sglang_stand_ins import fresh_state as fresh_sglang_state
-from vllm_stand_ins import CPURouter, fresh_state, install_vllm, scheduler_output
+from vllm_stand_ins import CPURouter, fresh_state, install_vllm, loaded_state, scheduler_output
 
 import oea.integrations.sglang.placement as sglang_placement
 import oea.integrations.sglang.routing as sglang_routing
-import oea.integrations.vllm.layers as vllm_layers
 import oea.integrations.vllm.placement as vllm_placement
-import oea.integrations.vllm.plugin as vllm_plugin
 import oea.integrations.vllm.routing as vllm_routing
 import oea.integrations.vllm.steps as vllm_steps
 from oea.config import settings_from_env, write_layer_k0_file
@@ -60,14 +58,7 @@ def _expected(layer: int, x: torch.Tensor) -> torch.Tensor:
 def _vllm_ids(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], x: torch.Tensor, layer: int) -> torch.Tensor:
     """vLLM: routers numbered and the file loaded as at model load, each with its EP-aware config on the
     placement (what ``placement.setup`` reads from vLLM's expert map), one decode step through the CPU op."""
-    install_vllm(monkeypatch)
-    state = fresh_state(monkeypatch, env)
-    for i in range(LAYERS):
-        router = CPURouter(num_experts=N, top_k=K)
-        router._oea_router_id = i
-        state.routers.append(router)
-        state.specs.append(vllm_plugin.router_spec(router)[0])
-    vllm_layers.load(state.specs)
+    state = loaded_state(monkeypatch, env, LAYERS, N, K)
     for i in range(LAYERS):
         router_state(i).ep = EPOEAConfig(int(env["OEA_K0"]), INTERLEAVED)
     vllm_steps.begin_step(scheduler_output([1] * ROWS))
@@ -133,14 +124,7 @@ def test_the_layer_k0_raises_a_boost_rank_below_it_in_the_core_rule(monkeypatch:
                                                                     tmp_path: pathlib.Path) -> None:
     """The EP policy's ``boost_rank`` is raised to the layer's k0 where it is lower (``with_layer_k0``): the rule
     the adapters no longer apply themselves."""
-    install_vllm(monkeypatch)
-    state = fresh_state(monkeypatch, {"OEA_K0": "2", "OEA_POLICY": "ep", "OEA_LAYER_K0_FILE": _file(tmp_path)})
-    for i in range(LAYERS):
-        router = CPURouter(num_experts=N, top_k=K)
-        router._oea_router_id = i
-        state.routers.append(router)
-        state.specs.append(vllm_plugin.router_spec(router)[0])
-    vllm_layers.load(state.specs)
+    loaded_state(monkeypatch, {"OEA_K0": "2", "OEA_POLICY": "ep", "OEA_LAYER_K0_FILE": _file(tmp_path)}, LAYERS, N, K)
     got = []
     for i in range(LAYERS):
         router_state(i).ep = EPOEAConfig(2, INTERLEAVED, boost_rank=4)

@@ -8,10 +8,9 @@ import pathlib
 
 import pytest
 import torch
-from vllm_stand_ins import CPURouter, dense, fresh_state, install_vllm, scheduler_output
+from vllm_stand_ins import CPURouter, dense, loaded_state, scheduler_output
 
 import oea.integrations.vllm.layers as layers
-import oea.integrations.vllm.plugin as plugin_module
 import oea.integrations.vllm.routing as plugin_routing
 import oea.integrations.vllm.steps as plugin_steps
 from oea.config import write_layer_k0_file
@@ -30,15 +29,7 @@ def _file(tmp_path: pathlib.Path, k0: tuple[int, ...], batch_k0=None, min_batch:
 
 
 def _state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]):
-    install_vllm(monkeypatch)
-    state = fresh_state(monkeypatch, env)
-    for i in range(LAYERS):
-        router = CPURouter(num_experts=N, top_k=K)
-        router._oea_router_id = i
-        state.routers.append(router)
-        state.specs.append(plugin_module.router_spec(router)[0])
-    layers.load(state.specs)
-    return state
+    return loaded_state(monkeypatch, env, LAYERS, N, K)
 
 
 def _logits(rows: int, seed: int) -> torch.Tensor:

@@ -82,6 +82,23 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: An
     return swap_state(monkeypatch, state)
 
 
+def loaded_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], layers: int, num_experts: int, top_k: int
+                 ) -> plugin_state.State:
+    """Plugin state as ``register()`` + ``Worker.load_model`` leave it for a model of ``layers`` stand-in routers
+    (router id = MoE layer position), ``OEA_LAYER_K0_FILE`` loaded (``layers.load``)."""
+    import oea.integrations.vllm.layers as plugin_layers
+
+    install_vllm(monkeypatch)
+    state = fresh_state(monkeypatch, env)
+    for i in range(layers):
+        router = CPURouter(num_experts=num_experts, top_k=top_k)
+        router._oea_router_id = i
+        state.routers.append(router)
+        state.specs.append(plugin.router_spec(router)[0])
+    plugin_layers.load(state.specs)
+    return state
+
+
 def scheduler_output(tokens_per_request: list[int]) -> types.SimpleNamespace:
     """A ``SchedulerOutput`` with one request per entry (1 token each = a decode step)."""
     scheduled = {f"r{i}": n for i, n in enumerate(tokens_per_request)}
