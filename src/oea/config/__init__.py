@@ -2,9 +2,10 @@
 
 Modules: ``variables`` (the table of every ``OEA_*`` variable: name, alias, parser, help; the settings, the
 doctor's checks and docs/configuration.md derive from it), ``settings`` (what the adapters read:
-``settings_from_env``, ``trace_settings_from_env``, ...), ``layer_file`` (the per-layer k0 file, and every
-layer's routing config from the environment: ``layer_configs``). The doctor's check of the environment lives
-beside the doctors (``oea.integrations.doctor_env``).
+``settings_from_env``, ``trace_settings_from_env``, ...), ``unknown`` (the warning about ``OEA_*`` names OEA
+does not read: ``warn_unknown_variables``), ``layer_file`` (the per-layer k0 file, and every layer's routing
+config from the environment: ``layer_configs``). The doctor's check of the environment lives beside the doctors
+(``oea.integrations.doctor_env``).
 """
 
 from oea.config.layer_file import (
@@ -24,6 +25,7 @@ from oea.config.settings import (
     timing_from_env,
     trace_settings_from_env,
 )
+from oea.config.unknown import warn_unknown_variables
 from oea.config.variables import (
     ALIASES,
     POLICIES,
@@ -56,5 +58,6 @@ __all__ = [
     "settings_from_env",
     "timing_from_env",
     "trace_settings_from_env",
+    "warn_unknown_variables",
     "write_layer_k0_file",
 ]

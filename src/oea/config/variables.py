@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from oea.routing.spec import GROUP_FILLS
+from oea.routing.spec import GROUP_FILLS, MAX_MIN_BATCH
 
 POLICIES = ("oea", "ep")  # OEA_POLICY: plain OEA, or EP-aware OEA on the engine's own expert placement
 TRACE_CONTENTS = ("logits", "topk")  # full router logits, or the router's top-k ids and probabilities
@@ -23,15 +23,17 @@ ALL, ENGINES, VLLM = "vLLM, SGLang, transformers", "vLLM, SGLang", "vLLM"  # whi
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def integer(minimum: int) -> Callable[[str, str], int]:
-    """An integer >= ``minimum``."""
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str, str], int]:
+    """An integer >= ``minimum`` (and <= ``maximum``: the bound of the config field it sets, ``oea.routing.spec``)."""
+    allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+
     def parse(var: str, raw: str) -> int:
         try:
             value = int(raw)
         except ValueError:
-            raise ValueError(f"{var} must be an integer >= {minimum}, got {raw!r}") from None
-        if value < minimum:
-            raise ValueError(f"{var} must be an integer >= {minimum}, got {value}")
+            raise ValueError(f"{var} must be an integer {allowed}, got {raw!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(f"{var} must be an integer {allowed}, got {value}")
         return value
     return parse
 
@@ -120,10 +122,10 @@ def _on(value: bool) -> str:
 VARIABLES: tuple[Variable, ...] = (
     Variable("OEA_K0", integer(1), "baseline experts per token; unset: OEA off", alias="SGLANG_OEA_K0",
              shows=lambda v: f"k0 = {v}" + (f": {k0_note(v)}" if k0_note(v) else "")),
-    Variable("OEA_MIN_BATCH", integer(0), "vanilla routing below this many real rows", "2",
+    Variable("OEA_MIN_BATCH", integer(0, MAX_MIN_BATCH), "vanilla routing below this many real rows", "2",
              alias="SGLANG_OEA_MIN_BATCH", shows=lambda v: f"min_batch = {v}"),
     Variable("OEA_MAX_EXPERTS", integer(1), "cap on experts per token after piggybacking", "top_k",
-             shows=lambda v: f"max_experts = {v}"),
+             shows=lambda v: f"max_experts = {v}" + (f": {max_experts_note(v)}" if max_experts_note(v) else "")),
     Variable("OEA_GROUP_FILL", choice(GROUP_FILLS),
              f"grouped routers: piggyback {' or '.join(GROUP_FILLS)} the token's groups", GROUP_FILLS[0],
              shows=lambda v: f"group_fill = {v}"),
@@ -171,6 +173,15 @@ def k0_note(k0: int) -> str:
                 "a model with a smaller top_k is refused at load")
     return (f"no model preset has top_k >= {k0} (the largest is {LARGEST_PRESET_TOP_K}): a model whose top_k is "
             f"below {k0} is refused at load (OEA_K0 must be in 1..top_k), and k0 = top_k would route unchanged")
+
+
+def max_experts_note(max_experts: int) -> str:
+    """What an engine does with ``max_experts`` above every model preset's top_k ("" otherwise): a model whose
+    top_k is below it is refused at load (max_experts must be <= top_k)."""
+    if max_experts <= LARGEST_PRESET_TOP_K:
+        return ""
+    return (f"no model preset has top_k >= {max_experts} (the largest is {LARGEST_PRESET_TOP_K}): a model whose "
+            f"top_k is below {max_experts} is refused at load (OEA_MAX_EXPERTS must be in OEA_K0..top_k)")
 
 
 def blank_variables(env: Mapping[str, str]) -> list[str]:

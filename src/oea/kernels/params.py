@@ -78,5 +78,6 @@ def kernel_params(spec: RouterSpec, cfg: object | None, rows: int) -> KernelPara
         return ("OEAConfig p < 1 has no exact kernel (the top-p baseline compares a float32 sum over every "
                 "expert with p; its summation order is torch's own)")
     return KernelParams(k0=cfg.k0, pruned=False, max_experts=cfg.max_experts or k, max_rank=cfg.max_rank or n,
+                        # OEAConfig bounds min_batch by MAX_MIN_BATCH (int32), so it fits the kernels' parameters
                         min_batch=cfg.min_batch, renormalize_rerouted=spec.renormalize,
                         cross_fill=grouped and cfg.group_fill == "cross", **common)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ import torch
 
 from oea.routing.ranking import KEY_MIN, top_indices
 from oea.routing.scores import RouterScores, mixture_weights, router_scores
-from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec, require_tensor
+from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec, as_int, check_expert_ids, require_tensor
 
 PolicyFn = Callable[
     [RouterScores, torch.Tensor, RouterSpec, Any, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]
@@ -231,24 +231,31 @@ def expert_load(
 ) -> torch.Tensor:
     """Tokens per expert: [M, k] ids and weights -> [N] int64, counting non-zero-weight slots of valid rows."""
     check_routing(ids, weights, valid)
+    num_experts = as_int("num_experts", num_experts, 1)
     used = weights != 0
     if valid is not None:
         used = used & valid[:, None]
+    check_expert_ids(ids, used, num_experts)
     load = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     routed = torch.where(used, ids, torch.full_like(ids, num_experts))
     return load.scatter_add(0, routed.reshape(-1), torch.ones_like(routed).reshape(-1))[:num_experts]
 
 
-def active_experts(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def active_experts(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None = None,
+                   num_experts: int | None = None) -> torch.Tensor:
     """T: distinct experts with non-zero weight over valid rows; [M, k], [M, k], [M] -> 0-dim int64.
 
     Graph-safe (sort-based, fixed shape, no host sync): call ``int()`` on the result outside any
-    captured region.
+    captured region. A used slot's id below 0 (or, given ``num_experts``, at or above it) is a
+    ``ValueError``; the check reads values, so it runs for CPU tensors, and for others only when
+    ``num_experts`` is given (the engines count every decode step on the accelerator without a host sync).
     """
     check_routing(ids, weights, valid)
     used = weights != 0
     if valid is not None:
         used = used & valid[:, None]
+    if ids.device.type == "cpu" or num_experts is not None:
+        check_expert_ids(ids, used, None if num_experts is None else as_int("num_experts", num_experts, 1))
     flat = torch.where(used, ids, torch.full_like(ids, -1)).reshape(-1).sort().values
     starts = torch.ones_like(flat, dtype=torch.bool)
     starts[1:] = flat[1:] != flat[:-1]

@@ -17,7 +17,7 @@ import torch
 
 from oea.routing.policies import oea_policy, register_policy
 from oea.routing.scores import RouterScores
-from oea.routing.spec import GroupFill, OEAConfig, RouterSpec
+from oea.routing.spec import MAX_MIN_BATCH, GroupFill, OEAConfig, RouterSpec
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,8 @@ class LayerK0Schedule:
     def __post_init__(self) -> None:
         for name, minimum in (("num_experts", 1), ("top_k", 1), ("num_layers", 1), ("min_batch", 0)):
             _require_int(name, getattr(self, name), minimum)
+        if self.min_batch > MAX_MIN_BATCH:  # OEAConfig's bound, so the file fails where it is read
+            raise ValueError(f"min_batch must be an integer in 0..{MAX_MIN_BATCH}, got {self.min_batch}")
         if self.layer_ids is not None:
             _require_ints("layer_ids", self.layer_ids, 0)
             if len(self.layer_ids) != self.num_layers:

@@ -13,6 +13,7 @@ or on the meta device. ``oea.kernels`` checks a bias that skipped this check aga
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,21 @@ def _readable(tensor: torch.Tensor) -> bool:
     return not (tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def check_expert_ids(ids: torch.Tensor, used: torch.Tensor, num_experts: int | None) -> None:
+    """``ValueError`` naming ``ids`` when a used slot (``used`` [M, k] bool) holds an id below 0 or, with
+    ``num_experts``, at or above it: such an id is no expert, and counting it would be silently wrong. Reads
+    values only where ``_readable`` allows (not while compiling or capturing)."""
+    if not _readable(ids):
+        return
+    bad = used & ((ids < 0) if num_experts is None else ((ids < 0) | (ids >= num_experts)))
+    if bool(bad.any()):
+        allowed = "ids >= 0" if num_experts is None else f"ids in 0..{num_experts - 1} (num_experts={num_experts})"
+        values = sorted(set(ids[bad].tolist()))
+        shown = ", ".join(map(str, values[:8])) + (", ..." if len(values) > 8 else "")
+        raise ValueError(f"ids must hold expert {allowed} in every slot with non-zero weight, got {shown} in "
+                         f"{int(bad.sum())} slots")
+
+
 def _check_finite_bias(bias: torch.Tensor) -> None:
     """A NaN or infinite correction bias makes every biased score non-finite: refuse it, naming the experts."""
     if not _readable(bias):
@@ -59,11 +75,44 @@ def _check_finite_bias(bias: torch.Tensor) -> None:
                          f"experts), got {'/'.join(values)} at {len(experts)} of {bias.numel()} experts ({shown})")
 
 
+# The largest min_batch: a batch never holds more rows than this, and the kernels count a call's valid rows
+# in int32 (numba's and Triton's parameters are int64/int32), so a larger value would overflow there while
+# meaning nothing more ("never reroute") than this one does. Chosen here once: OEAConfig, the OEA_MIN_BATCH
+# variable (the engines' settings and ``oea doctor``) and the kernels all take this bound.
+MAX_MIN_BATCH = 2**31 - 1
+
+
+def as_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as a Python int, accepting integer-valued numpy scalars and 0-d integer torch tensors
+    (``np.int64(3)``, ``torch.tensor(3)``) as well as ints; ``ValueError`` naming ``name`` otherwise (bools,
+    floats, out of ``minimum``..``maximum``)."""
+    number: int | None = None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype != torch.bool and value.device.type != "meta":
+            number = int(value.item())
+    elif not isinstance(value, (bool, float)) and type(value).__name__ != "bool_":
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            number = None
+    allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+    _require(number is not None and number >= minimum and (maximum is None or number <= maximum),
+             f"{name} must be an integer {allowed}, got {value!r}")
+    assert number is not None
+    return number
+
+
 def _require_int(name: str, value: object, minimum: int) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-        f"{name} must be an integer >= {minimum}, got {value!r}",
-    )
+    as_int(name, value, minimum)
+
+
+def _set_ints(config: object, bounds: dict[str, tuple[int, int | None]]) -> None:
+    """Check each integer field of a frozen dataclass (``None`` fields are skipped) and store it as an int."""
+    for name, (minimum, maximum) in bounds.items():
+        value = getattr(config, name)
+        if value is not None:
+            object.__setattr__(config, name, as_int(name, value, minimum, maximum))
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,8 +145,8 @@ class RouterSpec:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        _require_int("num_experts", self.num_experts, 1)
-        _require_int("top_k", self.top_k, 1)
+        _set_ints(self, {"num_experts": (1, None), "top_k": (1, None), "n_group": (1, None),
+                         "topk_group": (1, None)})
         _require(
             self.top_k <= self.num_experts,
             f"top_k must be <= num_experts, got top_k={self.top_k} and num_experts={self.num_experts}",
@@ -115,11 +164,11 @@ class RouterSpec:
                 self.scoring == "sigmoid",
                 f"correction_bias is only used with scoring='sigmoid', got scoring={self.scoring!r}",
             )
+            require_tensor("correction_bias", self.correction_bias, f"of shape [num_experts]=[{self.num_experts}]")
             _require(
-                isinstance(self.correction_bias, torch.Tensor)
-                and tuple(self.correction_bias.shape) == (self.num_experts,),
+                tuple(self.correction_bias.shape) == (self.num_experts,),
                 f"correction_bias must be a tensor of shape [num_experts]=[{self.num_experts}], "
-                f"got {getattr(self.correction_bias, 'shape', type(self.correction_bias).__name__)}",
+                f"got {tuple(self.correction_bias.shape)}",
             )
             _check_finite_bias(self.correction_bias)
         if self.n_group is None:
@@ -175,7 +224,7 @@ class OEAConfig:
         max_rank: deepest rank of a token's own ranking that may be piggybacked (the paper's
             maxP; k0 <= max_rank <= N; default: N, i.e. the full ranking).
         min_batch: below this many valid rows the whole batch gets vanilla routing
-            (the reference deployment's ``SGLANG_OEA_MIN_BATCH``).
+            (the reference deployment's ``SGLANG_OEA_MIN_BATCH``); 0..``MAX_MIN_BATCH``.
         group_fill: grouped sigmoid families only: ``"in"`` piggybacks only from the token's
             own allowed groups (conservative default), ``"cross"`` from any group.
     """
@@ -188,9 +237,9 @@ class OEAConfig:
     group_fill: GroupFill = "in"
 
     def __post_init__(self) -> None:
-        _require_int("k0", self.k0, 1)
+        _set_ints(self, {"k0": (1, None), "max_experts": (1, None), "max_rank": (1, None),
+                         "min_batch": (0, MAX_MIN_BATCH)})
         if self.max_experts is not None:
-            _require_int("max_experts", self.max_experts, 1)
             _require(
                 self.max_experts >= self.k0,
                 f"max_experts must be >= k0, got max_experts={self.max_experts} and k0={self.k0}",
@@ -200,13 +249,11 @@ class OEAConfig:
             f"p must be in (0, 1], got p={self.p!r}",
         )
         if self.max_rank is not None:
-            _require_int("max_rank", self.max_rank, 1)
             _require(
                 self.max_rank >= self.k0,
                 f"max_rank must be >= k0 (a token always keeps its own top-k0 and piggybacks only experts it "
                 f"ranks within max_rank), got max_rank={self.max_rank} and k0={self.k0}",
             )
-        _require_int("min_batch", self.min_batch, 0)
         _require(
             self.group_fill in GROUP_FILLS,
             f"group_fill must be one of {GROUP_FILLS}, got {self.group_fill!r}",
@@ -247,7 +294,7 @@ class PrunedConfig:
     renormalize: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_int("k0", self.k0, 1)
+        _set_ints(self, {"k0": (1, None)})
         _require(
             self.renormalize is None or isinstance(self.renormalize, bool),
             f"renormalize must be None or a bool, got {self.renormalize!r}",

@@ -26,6 +26,7 @@ from oea.config import (
     layer_configs,
     timing_from_env,
     trace_settings_from_env,
+    warn_unknown_variables,
 )
 from oea.config.settings import all_settings_from_env
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
@@ -54,6 +55,7 @@ def register() -> None:
     blank = blank_note(blank_variables(os.environ))
     if blank:  # OEA_K0= is read as unset: said, not silent
         warn_once("blank", blank)
+    warn_unknown_variables(warn=log.warning)  # OEA_K00=3 (a typo) would serve without OEA: said, not silent
     recording.configure(settings.trace, settings.apply_to_verify)  # unwritable OEA_TRACE_FILE: a warning, no recording
     metrics.configure(settings, settings.timing)  # an unwritable OEA_METRICS_FILE: a warning, no metrics
     if settings.oea is None and recording.TRACE.settings is None and metrics.METRICS.path is None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from oea.config import blank_note, blank_variables, k0_note, layer_configs, settings_from_env
+from oea.config import blank_note, blank_variables, k0_note, layer_configs, settings_from_env, warn_unknown_variables
 from oea.integrations.transformers.handle import ATTACHED, OEAHandle
 from oea.integrations.transformers.routers import find_moe_layers
 from oea.routing import RouterSpec
@@ -102,6 +102,7 @@ def maybe_attach(model: nn.Module, env: Mapping[str, str] | None = None) -> OEAH
     blank = blank_note(blank_variables(env))
     if blank:  # OEA_K0= is read as unset: said, as the engine plugins and the doctor say it
         warnings.warn(f"oea: {blank}", RuntimeWarning, stacklevel=2)
+    warn_unknown_variables(env)  # OEA_K00=3 (a typo) would leave the model alone: said, not silent
     if settings.oea is None:
         return None
     layers = find_moe_layers(model)

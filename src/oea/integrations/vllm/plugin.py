@@ -27,6 +27,7 @@ from oea.config import (
     blank_note,
     blank_variables,
     layer_configs,
+    warn_unknown_variables,
 )
 from oea.config.settings import all_settings_from_env
 from oea.integrations.metrics import MetricsWriter
@@ -60,6 +61,7 @@ def register() -> None:
     blank = blank_note(blank_variables(os.environ))
     if blank and not STATE.installed:  # OEA_K0= is read as unset: said, not silent
         log.warning("oea: %s", blank)
+    warn_unknown_variables(warn=log.warning)  # OEA_K00=3 (a typo) would serve without OEA: said, not silent
     if mode == "off" or STATE.installed:
         return
     STATE.settings, STATE.mode, STATE.timing, STATE.trace_settings = settings, mode, timing, trace
