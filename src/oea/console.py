@@ -230,13 +230,26 @@ def _probe_writable(folder: pathlib.Path, flag: str, given: str) -> None:
     os.unlink(probe)
 
 
-def check_output_file(path: str | os.PathLike[str], flag: str, create_folders: bool = False) -> pathlib.Path:
-    """The file ``path`` can be written: not a folder, its folder exists (or, with ``create_folders``, can
-    be created) and accepts a new file. Raises ``ValueError`` naming ``flag``; returns ``path``."""
+# The file formats a plot is written in, by suffix (matplotlib's, less those that need LaTeX or give raw pixels):
+# a path without one of them is refused before any work, rather than renamed or refused by matplotlib after it.
+PLOT_SUFFIXES: tuple[str, ...] = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff",
+                                  ".webp")
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str, create_folders: bool = False,
+                      suffixes: tuple[str, ...] | None = None) -> pathlib.Path:
+    """The file ``path`` can be written: not a folder nor a device or pipe (``/dev/full``), its name ends in one
+    of ``suffixes`` (when given), its folder exists (or, with ``create_folders``, can be created) and accepts a
+    new file. Raises ``ValueError`` naming ``flag``; returns ``path``."""
     target = pathlib.Path(path)
     given = str(path)
     if target.is_dir():
         raise ValueError(f"{flag} {given}: is a folder; give a file name")
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{flag} {given}: is not a regular file (a device, pipe or socket); give a file path")
+    if suffixes is not None and target.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {given}: the file name must end in one of {', '.join(suffixes)} (the format is "
+                         f"taken from it), got {target.suffix or 'no suffix'!r}")
     existing = _nearest_existing(target.parent)
     if not existing.is_dir():
         raise ValueError(f"{flag} {given}: {existing} is a file, not a folder")
@@ -246,6 +259,11 @@ def check_output_file(path: str | os.PathLike[str], flag: str, create_folders: b
         raise ValueError(f"{flag} {given}: the file exists and is not writable")
     _probe_writable(existing, flag, given)
     return target
+
+
+def check_plot_file(path: str | os.PathLike[str], flag: str = "--plot") -> pathlib.Path:
+    """``check_output_file`` for a plot: its suffix (one of ``PLOT_SUFFIXES``) names the image format."""
+    return check_output_file(path, flag, suffixes=PLOT_SUFFIXES)
 
 
 def check_output_folder(path: str | os.PathLike[str], flag: str, empty: bool = False) -> pathlib.Path:

@@ -87,7 +87,7 @@ def test_a_preset_files_tp_that_does_not_split_the_model_is_named_as_the_files(t
 BAD_FIELDS = [
     ({"top_k": 0}, r"field 'top_k' must be an integer in 1\.\.60, got 0"),
     ({"top_k": 61}, r"field 'top_k' must be an integer in 1\.\.60"),
-    ({"num_experts": 6.5}, r"field 'num_experts' must be an integer >= 1, got 6\.5"),
+    ({"num_experts": 6.5}, r"field 'num_experts' must be an integer in 1\.\.32768, got 6\.5"),
     ({"hidden_size": True}, r"field 'hidden_size' must be an integer >= 1"),
     ({"bytes_per_weight": "fp5"}, r"field 'bytes_per_weight' must be a number > 0 or one of \['bf16'"),
     ({"bytes_per_weight": -2}, r"field 'bytes_per_weight'"),

@@ -23,6 +23,8 @@ def read_layer_k0_file(path: str | os.PathLike[str]) -> LayerK0Schedule:
     import pathlib
 
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"per-layer k0 file {path} is a directory; give the JSON file oea calibrate writes")
     if not path.is_file():
         raise FileNotFoundError(f"per-layer k0 file not found: {path}")
     try:

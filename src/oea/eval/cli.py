@@ -31,6 +31,7 @@ def _eval(args: argparse.Namespace) -> int:
     check_unique(args.policies, "--policies")
     check_unique(args.k0, "--k0")
     check_unique(args.batch_sizes, "--batch-sizes")
+    check_batch_sizes_fit_documents(args.batch_sizes, args.model)
     torch.set_num_threads(args.threads)
     generate_tokens = 0 if args.no_generate else args.generate_tokens
     options = {"batch_sizes": args.batch_sizes, "k0s": args.k0, "policies": args.policies,
@@ -50,6 +51,22 @@ def _eval(args: argparse.Namespace) -> int:
     console.print(results_table(rows, title))
     console.print(verdict_note(rows))
     return 0
+
+
+def check_batch_sizes_fit_documents(batch_sizes: list[int], model: str | None) -> None:
+    """Before the model loads: a batch holds windows of *different* documents, so B may not exceed the held-out
+    documents (the model's own list, or the embedded model's); a larger B would decode one document in several
+    rows of every batch. ``ValueError`` naming ``--batch-sizes``."""
+    import pathlib
+
+    from oea.eval.evaluate import _documents
+
+    folder = pathlib.Path(model) if model is not None and pathlib.Path(model).is_dir() else None
+    documents = len(_documents(folder))
+    too_large = [b for b in batch_sizes if b > documents]
+    if too_large:
+        raise ValueError(f"--batch-sizes must be <= {documents}, the held-out documents (a batch decodes windows of "
+                         f"different documents together), got {too_large}")
 
 
 def verdict_note(rows: list[dict[str, Any]]) -> str:

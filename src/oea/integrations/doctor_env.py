@@ -108,6 +108,8 @@ def _check_output_file(var: str, path: str) -> str:
     target, folder = pathlib.Path(path), pathlib.Path(path).parent
     if target.is_dir():
         raise ValueError(f"{var}={path!r} is a folder; name a file to write to")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{var}={path!r}: {str(folder)!r} is a file, not a folder")
     if not folder.is_dir():
         raise ValueError(f"{var}={path!r}: folder {str(folder)!r} does not exist")
     if not os.access(target if target.exists() else folder, os.W_OK) or not os.access(folder, os.W_OK):

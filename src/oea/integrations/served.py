@@ -29,6 +29,8 @@ REQUIRED_FIELDS: tuple[str, ...] = ("decode", "oea", "rows", "active")
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """The rows of a metrics file; ``ValueError`` naming the file, the line and what is wrong."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"--metrics-file {path} is a directory; give the server's OEA_METRICS_FILE (a JSONL file)")
     if not path.is_file():
         raise ValueError(f"--metrics-file {path}: no such file (the server writes it at OEA_METRICS_FILE once it "
                          "has served a forward)")
@@ -40,8 +42,11 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            if number == len(lines):  # a server still writing may leave its last line cut short
+            if number == len(lines) and rows:  # a server still writing may leave its last line cut short
                 continue
+            if number == len(lines):
+                raise ValueError(f"--metrics-file {path}: its only line ({number}) is cut short (not JSON: {err.msg}): "
+                                 "the file is truncated; read it again after the server's next flush") from None
             raise ValueError(f"--metrics-file {path}: line {number} is not JSON ({err.msg})") from None
         missing = [name for name in REQUIRED_FIELDS if not isinstance(row, dict) or name not in row]
         if missing:

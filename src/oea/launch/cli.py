@@ -5,6 +5,7 @@ handler): start the engine's server with OEA settings, wait for /health, forward
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import time
@@ -28,6 +29,9 @@ def _serve(args: argparse.Namespace, engine: str) -> int:
     if not engine_args:
         example = "--model DIR" if engine == "vllm" else "--model-path DIR"
         raise ValueError(f"give the {engine} server arguments after '--', e.g. {name} --k0 3 -- {example}")
+    if args.python is not None and shutil.which(args.python) is None:  # before the start, not a bare [Errno 2]
+        raise ValueError(f"--python {args.python}: no such executable; give the interpreter that has {engine} "
+                         f"installed (e.g. .venv-{engine}/bin/python)")
     env = oea_env(args.k0, args.min_batch)
     if args.metrics_file:
         env["OEA_METRICS_FILE"] = args.metrics_file

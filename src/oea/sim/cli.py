@@ -61,6 +61,11 @@ def _simulate(args: argparse.Namespace) -> int:
     for values, flag in ((args.policies, "--policies"), (args.k0, "--k0"), (args.batch_sizes, "--batch-sizes")):
         check_unique(values, flag)
     policy_options = parse_policy_options(args.policy_option)
+    ignored = [flag for flag, value in (("--model-preset", args.model_preset), ("--tp", args.tp)) if value is not None]
+    if args.gpu is None and ignored:  # they only set the latency model, which --gpu turns on
+        verb = "sets" if len(ignored) == 1 else "set"
+        raise ValueError(f"{' and '.join(ignored)} {verb} the latency model, which needs --gpu (an accelerator "
+                         "preset, `oea presets`): add --gpu, or leave them out")
     torch.set_num_threads(args.threads)
     preset = resolve_model_preset(args.model_preset, args.model_preset_file)
     tp, ep = parallel_degrees(preset, args.tp, args.ep)
@@ -72,6 +77,12 @@ def _simulate(args: argparse.Namespace) -> int:
     if ep is not None and trace.spec.num_experts % ep:  # the busiest-device count's blocks
         raise ValueError(f"{parallel_names(preset, args.tp, args.ep)[1]} must divide the trace's num_experts="
                          f"{trace.spec.num_experts}, got {ep}")
+    whole = [b for b in args.batch_sizes if args.mode == "mixed" and b * args.dp == trace.num_tokens]
+    if whole:  # every mixed batch would be the same one: a mean over copies with a zero-width interval
+        raise ValueError(f"--batch-sizes {whole[0]}{f' x --dp {args.dp}' if args.dp > 1 else ''} takes the whole "
+                         f"pool of trace {trace.name!r} ({trace.num_tokens} tokens): every mixed batch would be the "
+                         f"same one and an interval needs two different batches; use batch sizes < "
+                         f"{trace.num_tokens // args.dp}")
     args.ep = ep
     with progress_bar(f"oea simulate: simulating {trace.name}", not args.json) as update:
         rows = simulate(

@@ -6,7 +6,7 @@ Fields (``docs/presets.md`` shows an example):
 field                       required  allowed values
 ==========================  ========  =============================================================
 ``name``                    no        a string, not a built-in preset name (default: the file's stem)
-``num_experts``             yes       integer >= 1: routed experts per MoE layer
+``num_experts``             yes       integer in 1..32768 (``MAX_EXPERTS``): routed experts per MoE layer
 ``top_k``                   yes       integer in 1..num_experts
 ``hidden_size``             yes       integer >= 1 (d_model)
 ``moe_intermediate_size``   yes       integer >= 1: intermediate width of one routed expert
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oea.presets import MODEL_PRESETS, MXFP4_BYTES, NVFP4_BYTES, ModelPreset, get_model_preset
+from oea.trace_schema import MAX_EXPERTS
 
 WEIGHT_FORMATS: dict[str, float] = {
     "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "nvfp4": NVFP4_BYTES, "mxfp4": MXFP4_BYTES,
@@ -56,6 +57,8 @@ class PresetFile:
 
 
 def _read(path: pathlib.Path) -> Any:
+    if path.is_dir():
+        raise ValueError(f"model preset file {path} is a directory; give a .json or .toml file")
     if not path.is_file():
         raise FileNotFoundError(f"model preset file does not exist: {path}")
     suffix = path.suffix.lower()
@@ -112,7 +115,7 @@ def load_model_preset_file(path: str | pathlib.Path) -> PresetFile:
     if name in MODEL_PRESETS:
         raise ValueError(f"{where}: field 'name' {name!r} is a built-in preset ({sorted(MODEL_PRESETS)}); choose "
                          f"another name, e.g. {name + '-custom'!r}")
-    num_experts = _int(raw, "num_experts", where, 1)
+    num_experts = _int(raw, "num_experts", where, 1, MAX_EXPERTS)  # the most a trace (int16 ids) can hold
     top_k = _int(raw, "top_k", where, 1, num_experts)
     dims = {key: _int(raw, key, where, 1) for key in ("hidden_size", "moe_intermediate_size", "num_moe_layers")}
     bytes_per_weight = _bytes(raw["bytes_per_weight"], where)

@@ -137,7 +137,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     r = commands.add_parser("roofline", help="memory- vs compute-bound analysis and OEA's theoretical gain, "
                                              "per MoE layer and for the whole decode step")
-    r.add_argument("--model", default=None, help="built-in model preset (default: qwen3-30b-a3b; `oea presets`)")
+    r.add_argument("--model", "--model-preset", dest="model", default=None,  # --model-preset: simulate's name
+                   help="built-in model preset (default: qwen3-30b-a3b; `oea presets`)")
     add_model_preset_file_argument(r)
     r.add_argument("--gpu", default="h100-sxm", help="accelerator preset (`oea presets`)")
     r.add_argument("--tp", type=int_at_least(1), default=None,

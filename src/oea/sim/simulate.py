@@ -330,6 +330,15 @@ def simulate(
         note += (f"; latency uses preset {cost.model.name!r} (N={cost.model.num_experts}) with this "
                  f"trace's T (N={trace.spec.num_experts})")
 
+    for b in batch_sizes if mode == "mixed" else ():  # a pool too small for as many different batches as drawn
+        tokens = b * dp
+        distinct = distinct_batches(trace, tokens, mode) if tokens <= trace.num_tokens else 0
+        if distinct == 1:  # `oea simulate` refuses it before any work; the API says what it computed
+            note += (f"; B={b} takes the whole {trace.num_tokens}-token pool: every batch is the same one, so its "
+                     "interval is 0 by construction")
+        elif 1 < distinct < (num_batches or max_batches):
+            note += (f"; B={b}: the {trace.num_tokens}-token pool holds only {distinct} different batches, so "
+                     "mixed draws repeat some of them")
     generator = torch.Generator().manual_seed(seed)
     auto = num_batches is None
     first = PILOT_BATCHES if auto else num_batches

@@ -37,6 +37,9 @@ def load_trace(name_or_path: str | pathlib.Path) -> Trace:
     candidates = (path, path.with_suffix(".safetensors")) if path.suffix != ".safetensors" else (path,)
     if any(c.is_file() for c in candidates):
         return read_trace_file(path)
+    if path.is_dir():
+        raise ValueError(f"trace {text} is a directory; give a .safetensors trace file or a bundled trace name "
+                         f"{bundled_trace_names()}")
     if path.suffix in (".safetensors", ".json") or len(path.parts) > 1:
         raise FileNotFoundError(f"trace file does not exist: {text} (bundled traces: {bundled_trace_names()})")
     raise ValueError(f"trace must be one of the bundled traces {bundled_trace_names()} or a path to a "

@@ -207,7 +207,8 @@ DEFAULT_FILE = "embedded-trace.safetensors"
 def output_path(out: str) -> pathlib.Path:
     """Where ``oea capture --out OUT`` writes: OUT, or ``OUT/embedded-trace.safetensors`` when OUT is a
     folder (existing, or written with a trailing ``/``: a new folder, created when the trace is saved).
-    Checked before the capture runs: OUT's folder must exist unless OUT ends in ``/``, and accept files."""
+    Checked before the capture runs: OUT names a .safetensors file, OUT's folder must exist unless OUT ends in
+    ``/``, and accept files."""
     import os
 
     from oea.console import check_output_file
@@ -216,7 +217,7 @@ def output_path(out: str) -> pathlib.Path:
     folder = out.endswith(("/", os.sep)) or path.is_dir()
     if folder:
         path = path / DEFAULT_FILE
-    return check_output_file(path, "--out", create_folders=folder)
+    return check_output_file(path, "--out", create_folders=folder, suffixes=(".safetensors",))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -186,12 +186,18 @@ SIDECAR_STRINGS: tuple[str, ...] = ("name", "source", "licence", "model", "kind"
 
 def check_sidecar(meta: dict, where: str) -> None:
     """The documented optional sidecar fields: ``name``/``source``/``licence``/``model``/``kind`` strings,
-    ``model_preset`` a string or null, ``notes`` a list of strings (other keys are free-form)."""
+    ``model_preset`` one of oea's model preset names or null, ``notes`` a list of strings (other keys are free-form)."""
     for name in SIDECAR_STRINGS:
         if name in meta and not isinstance(meta[name], str):
             _fail(where, name, f"must be a string, got {meta[name]!r}")
     if meta.get("model_preset") is not None and not isinstance(meta["model_preset"], str):
         _fail(where, "model_preset", f"must be a preset name (string) or null, got {meta['model_preset']!r}")
+    if isinstance(meta.get("model_preset"), str):
+        from oea.presets import MODEL_PRESETS  # the latency model looks the name up: an unknown one is refused here
+
+        if meta["model_preset"] not in MODEL_PRESETS:
+            _fail(where, "model_preset", f"must be one of oea's model presets {list(MODEL_PRESETS)} or null, got "
+                                         f"{meta['model_preset']!r}")
     notes = meta.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         _fail(where, "notes", f"must be a list of strings, got {notes!r}")

@@ -190,7 +190,8 @@ def spec_from_json(raw: Any, where: str) -> RouterSpec:
 
 
 def save_trace(trace: Trace, path: str | pathlib.Path) -> pathlib.Path:
-    """Write ``trace`` to ``path`` (``.safetensors``) and its ``.json`` sidecar; returns the tensor file.
+    """Write ``trace`` to ``path`` (``.safetensors``, else ``ValueError``) and its ``.json`` sidecar; returns the
+    tensor file.
 
     Ids are stored as uint8 when N <= 256 (int16 otherwise), logits and scores as float16 when they
     are float16 already, else float32; request ids and positions as int32.
@@ -199,7 +200,9 @@ def save_trace(trace: Trace, path: str | pathlib.Path) -> pathlib.Path:
 
     path = pathlib.Path(path)
     if path.suffix != ".safetensors":
-        path = path.with_suffix(".safetensors")
+        raise ValueError(f"path must name a .safetensors file (its .json sidecar goes next to it), got {str(path)!r}")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"path {str(path)!r} is not a regular file (a folder, device or pipe); give a file path")
     validate(trace, where=str(path))
     tensors: dict[str, torch.Tensor] = {}
     if trace.logits is not None:
@@ -236,6 +239,8 @@ def read_trace_file(path: str | pathlib.Path) -> Trace:
     if path.suffix in (".json", ""):
         path = path.with_suffix(".safetensors")
     meta_path = sidecar_path(path)
+    if path.is_dir():
+        raise ValueError(f"trace file {path} is a directory; give a .safetensors trace file")
     if not path.is_file():
         raise FileNotFoundError(f"trace file does not exist: {path}")
     if not meta_path.is_file():

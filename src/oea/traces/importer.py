@@ -24,6 +24,8 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+import zipfile
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +51,8 @@ def read_arrays(path: str | pathlib.Path, top_k: int) -> dict[str, np.ndarray]:
     and the line or row for a malformed one.
     """
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"input file {path} is a directory; give a file")
     if not path.is_file():
         raise FileNotFoundError(f"input file does not exist: {path}")
     suffix = path.suffix.lower()
@@ -74,11 +78,26 @@ def read_arrays(path: str | pathlib.Path, top_k: int) -> dict[str, np.ndarray]:
     return arrays
 
 
+# How each numpy format begins: a file that does not is named as not being one (np.load would try it as a
+# pickle and speak of "pickled data", which says nothing about a text file given the wrong suffix).
+_MAGIC = {".npz": (b"PK\x03\x04", b"PK\x05\x06"), ".npy": (b"\x93NUMPY",)}
+# A cut or corrupt archive: zipfile's, zlib's and numpy's own errors while reading it.
+_UNREADABLE = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
 def _load_numpy(path: pathlib.Path) -> Any:
+    suffix = path.suffix.lower()
+    with open(path, "rb") as handle:
+        start = handle.read(8)
+    if not start.startswith(_MAGIC[suffix]):
+        kind = "an .npz archive (a zip file)" if suffix == ".npz" else "a .npy file"
+        raise ValueError(f"{path}: not {kind}: it does not begin as one (is it another format with a {suffix} "
+                         "suffix?)")
     try:
         return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise ValueError(f"{path}: not a readable numpy file without pickled objects ({err})") from None
+    except _UNREADABLE as err:
+        raise ValueError(f"{path}: unreadable {suffix} file, cut short or corrupt ({type(err).__name__}: {err}); "
+                         "numpy arrays without pickled objects are read") from None
 
 
 def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -91,8 +110,9 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: unknown arrays {unknown}; allowed: {list(ARRAY_KEYS)}")
         try:
             return {name: archive[name] for name in archive.files}
-        except ValueError as err:
-            raise ValueError(f"{path}: not readable without pickled objects ({err})") from None
+        except _UNREADABLE as err:
+            raise ValueError(f"{path}: unreadable .npz archive, cut short, corrupt or holding pickled objects "
+                             f"({type(err).__name__}: {err})") from None
 
 
 def _with_layer_axis(array: np.ndarray, path: pathlib.Path, name: str) -> np.ndarray:

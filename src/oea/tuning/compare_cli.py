@@ -12,7 +12,7 @@ from typing import Any
 
 from oea.console import (
     add_batch_sizes_argument,
-    check_output_file,
+    check_plot_file,
     check_unique,
     format_interval,
     int_at_least,
@@ -35,7 +35,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     check_unique(args.batch_sizes, "--batch-sizes")
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot, "--plot")
     trace = load_trace(args.trace)
     check_compare_arguments(trace, args.k0, args.num_batches, args.layers)  # before the first batch size runs
     adaptive = AdaptiveK0Config(tuple(tuple(e) for e in args.adaptive)) if args.adaptive else None

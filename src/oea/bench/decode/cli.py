@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from oea.bench.passive_wait import launched_from_shell, reexec_passive, start_note
-from oea.console import check_output_file, seed_value
+from oea.console import check_plot_file, seed_value
 
 if TYPE_CHECKING:
     from oea.bench.decode.run import DecodeBenchConfig
@@ -120,7 +120,7 @@ def _decode(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_checkpoint(config)  # bad flags fail here, in one line, before the re-run below
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot)
     many_cpu_threads = _many_cpu_threads(config)
     reexec_passive(("bench", "decode"), many_cpu_threads)
     note = start_note("oea bench decode", many_cpu_threads and launched_from_shell(("bench", "decode")))

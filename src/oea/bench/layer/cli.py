@@ -9,7 +9,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from oea.bench.passive_wait import launched_from_shell, reexec_passive, start_note
-from oea.console import add_batch_sizes_argument, check_output_file, check_unique, int_at_least, seed_value
+from oea.console import (
+    add_batch_sizes_argument,
+    check_output_file,
+    check_plot_file,
+    check_unique,
+    int_at_least,
+    seed_value,
+)
 
 if TYPE_CHECKING:
     from oea.bench.layer.inputs import LayerBenchConfig
@@ -41,7 +48,7 @@ def _layer(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_config(config)  # bad flags fail here, in one line, before the re-run below
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot)
     if args.write_fit and args.write_fit != DEFAULT_FIT:
         check_output_file(args.write_fit, "--write-fit")
     many_cpu_threads = config.device == "cpu" and config.threads > 1

@@ -35,20 +35,32 @@ def parse_arms(args: argparse.Namespace) -> list[Arm]:
     """Arms on running servers: ``--base-url``, ``--base-url-a/-b``, ``--arm NAME=URL``."""
     arms = []
     if args.base_url:
-        arms.append(Arm("server", args.base_url))
+        arms.append(Arm("server", check_url(args.base_url, "--base-url")))
     if bool(args.base_url_a) != bool(args.base_url_b):
         raise ValueError("--base-url-a and --base-url-b go together")
     if args.base_url_a:
-        arms += [Arm("a", args.base_url_a), Arm("b", args.base_url_b)]
+        arms += [Arm("a", check_url(args.base_url_a, "--base-url-a")), Arm("b", check_url(args.base_url_b,
+                                                                                          "--base-url-b"))]
     for spec in args.arm:
         name, sep, url = spec.partition("=")
         if not sep or not name or not url:
             raise ValueError(f"--arm must be NAME=URL, got {spec!r}")
-        arms.append(Arm(name, url))
+        arms.append(Arm(name, check_url(url, f"--arm {name}=URL")))
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}")
     return arms
+
+
+def check_url(url: str, flag: str) -> str:
+    """``url`` when it is an http(s) URL with a host, else ``ValueError`` naming ``flag`` (before any request)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{flag} must be an http:// or https:// URL with a host (e.g. http://127.0.0.1:8000), "
+                         f"got {url!r}")
+    return url
 
 
 def parse_serve_arms(specs: list[str]) -> dict[str, dict[str, str]]:
@@ -332,6 +344,8 @@ def summarized_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             or args.vllm_args not in ([], ["--"])):
         raise ValueError("--summarize reads an earlier run: it cannot be combined with servers, arms or --output-file")
     path = Path(args.summarize)
+    if path.is_dir():
+        raise ValueError(f"--summarize {path} is a directory; give the JSONL file an earlier --output-file wrote")
     if not path.is_file():
         raise ValueError(f"--summarize: no such file: {path}")
     try:
@@ -348,6 +362,12 @@ def main(args: argparse.Namespace) -> int:
     """Handler of ``oea bench serve``; returns the exit code."""
     cfg = bench_config(args)
     output_file = Path(args.output_file) if args.output_file else None
+    from oea.console import check_output_file, check_plot_file
+
+    if args.plot:  # written at the end: checked before any server is contacted or started
+        check_plot_file(args.plot)
+    if output_file is not None and not args.summarize:
+        check_output_file(output_file, "--output-file", create_folders=True)
     if args.summarize:
         rows = summarized_rows(args)
     elif args.serve_arm:
@@ -373,9 +393,10 @@ def main(args: argparse.Namespace) -> int:
                              "or --serve-arm NAME=ENV ... -- <vllm args>")
         from oea.bench.serve.client import ServerUnreachable
 
+        metrics_files = parse_engine_metrics(args.engine_metrics) if args.engine_metrics else None  # before a request
         try:
             check_running_engine(arms, args.engine)
-            enrich = engine_enricher(parse_engine_metrics(args.engine_metrics)) if args.engine_metrics else None
+            enrich = engine_enricher(metrics_files) if metrics_files else None
             rows = run_benchmark(arms, cfg, output_file=output_file, progress=not args.no_progress,
                                  enrich=with_load(enrich))
         except ServerUnreachable as err:
