@@ -5,7 +5,8 @@
 * ``oea.integrations.sglang``: the SGLang plugin (entry point ``oea.integrations.sglang:register``).
 * ``oea.integrations.doctor``: ``oea doctor`` (``doctor_cli``: its command; ``doctor_common``: the check
   helpers every engine's doctor uses; ``doctor_env``: the check of the ``OEA_*`` environment; ``oea doctor
-  gpu`` is ``oea.kernels.doctor_gpu``, beside the kernels it checks; ``served``: what a server's ``OEA_METRICS_FILE`` says, ``oea doctor --metrics-file``).
+  gpu`` is ``oea.kernels.doctor_gpu``, beside the kernels it checks; ``served``: what a server's
+  ``OEA_METRICS_FILE`` says, ``oea doctor --metrics-file``).
 
 Engine-free modules every adapter uses, so that no rule is written twice:
 
