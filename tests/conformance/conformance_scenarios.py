@@ -134,7 +134,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              adapters=("vllm", "sglang")),
     Scenario("bad-k0", {"OEA_K0": "two"}, message="OEA_K0 must be an integer >= 1, got 'two'"),
     Scenario("bad-min-batch", {"OEA_K0": "2", "OEA_MIN_BATCH": "-1"},
-             message="OEA_MIN_BATCH must be an integer >= 0, got -1"),
+             message="OEA_MIN_BATCH must be an integer in 0..2147483647, got -1"),
     Scenario("bad-group-fill", {"OEA_K0": "2", "OEA_GROUP_FILL": "all"},
              message="OEA_GROUP_FILL must be one of ('in', 'cross'), got 'all'"),
     Scenario("bad-policy", {"OEA_K0": "2", "OEA_POLICY": "both"},
