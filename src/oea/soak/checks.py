@@ -30,14 +30,26 @@ REPLAY_TOLERANCE = 0.01
 
 @dataclass(frozen=True)
 class Check:
-    """One promise: ``name``, whether it held, what was seen (``detail``)."""
+    """One promise: ``name``, whether it held, what was seen (``detail``); ``verdict`` False: reported only, not
+    part of the soak's verdict (the absolute memory bound when the growth is judged against OEA off's)."""
 
     name: str
     held: bool
     detail: str
+    verdict: bool = True
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "held": self.held, "detail": self.detail}
+        return {"name": self.name, "held": self.held, "detail": self.detail, "verdict": self.verdict}
+
+
+def off_arm(arms: Sequence[tuple[str, Mapping[str, str]]], baseline: str) -> str | None:
+    """The arm OEA's memory growth is judged against: ``baseline`` when it runs with OEA off (no ``OEA_K0`` nor
+    its alias), else the first such arm of ``arms`` ((name, environment) pairs, memory watched); None when no
+    arm runs with OEA off, or none with it on (nothing to judge against OEA off: the absolute bound holds)."""
+    off = [name for name, env in arms if not env.get("OEA_K0") and not env.get("SGLANG_OEA_K0")]
+    if not off or len(off) == len(arms):
+        return None
+    return baseline if baseline in off else off[0]
 
 
 def memory_bound_mib(rss_after_warmup_mib: float) -> float:
@@ -45,9 +57,12 @@ def memory_bound_mib(rss_after_warmup_mib: float) -> float:
     return MEMORY_BOUND_MIB + MEMORY_BOUND_SHARE * rss_after_warmup_mib
 
 
-def arm_checks(name: str, report: Mapping[str, Any], min_aborted_share: float = MIN_ABORTED_SHARE) -> list[Check]:
+def arm_checks(name: str, report: Mapping[str, Any], min_aborted_share: float = MIN_ABORTED_SHARE,
+               memory_verdict: bool = True) -> list[Check]:
     """No failed request (warm-up included), no restart and no unhealthy answer, enough client aborts, and
-    (when the process group was watched) memory growth within ``memory_bound_mib``."""
+    (when the process group was watched) memory growth within ``memory_bound_mib``: the verdict unless
+    ``memory_verdict`` is False (an OEA-off arm ran: ``across_arms`` judges the growth against its growth, and
+    the absolute growth is reported)."""
     failed = int(report["failed"]) + int(report["warmup"]["failed"])
     seen = (f"{failed} failed: {report['failures'][:3] or report['warmup']['failures'][:3]}" if failed else
             f"0 failed of {report['sent']} (+{report['warmup']['sent']} warm-up)")
@@ -70,14 +85,15 @@ def arm_checks(name: str, report: Mapping[str, Any], min_aborted_share: float = 
         warm = float(report["memory_after_warmup"]["rss_mib"])
         bound = memory_bound_mib(warm)
         growth = report["rss_growth_mib"]
+        reported = "" if memory_verdict else "; reported, the verdict is the growth against OEA off's"
         if growth is None:
             checks.append(Check(f"{name}: RSS growth after warm-up within {bound:.0f} MiB", False,
-                                "the server's processes were gone at the end"))
+                                "the server's processes were gone at the end" + reported, memory_verdict))
         else:
             checks.append(Check(f"{name}: RSS growth after warm-up within {bound:.0f} MiB", growth <= bound,
                                 f"{warm:.0f} -> {report['memory_end']['rss_mib']:.0f} MiB ({growth:+.1f} MiB, "
                                 f"{_signed(report.get('rss_growth_second_half_mib'))} in the second half; PSS "
-                                f"{report['pss_growth_mib']:+.1f} MiB{_where(report)})"))
+                                f"{report['pss_growth_mib']:+.1f} MiB{_where(report)}){reported}", memory_verdict))
     return checks
 
 
@@ -102,10 +118,11 @@ def _refusals(report: Mapping[str, Any]) -> dict[int, tuple[int | None, str]]:
     return {o["index"]: (o["status"], o["error"]) for o in report["outcomes"] if o["plan"] == "refuse"}
 
 
-def across_arms(baseline: str, reports: Mapping[str, Mapping[str, Any]], identical_outputs: Sequence[str] = ()
-                ) -> list[Check]:
+def across_arms(baseline: str, reports: Mapping[str, Mapping[str, Any]], identical_outputs: Sequence[str] = (),
+                off: str | None = None) -> list[Check]:
     """Every arm refuses the baseline's requests with the same status and message (the engine's own refusals,
-    untouched by OEA); the arms in ``identical_outputs`` give the baseline's exact probe outputs."""
+    untouched by OEA); with ``off`` (an arm with OEA off, ``off_arm``) each other arm's RSS growth is within
+    ``off``'s + the bound; the arms in ``identical_outputs`` give the baseline's exact probe outputs."""
     base = reports[baseline]
     checks = []
     expected = _refusals(base)
@@ -123,7 +140,7 @@ def across_arms(baseline: str, reports: Mapping[str, Mapping[str, Any]], identic
         elif wrong:
             detail = f"request {wrong[0]} was not refused by the engine: {got[wrong[0]]}"
         checks.append(Check(f"{name}: refusals are the engine's own, as {baseline}'s", held, detail))
-    checks += _growth_against(baseline, reports)
+    checks += _growth_against(off, reports) if off is not None else []
     for name in identical_outputs:
         mine, theirs = reports[name].get("probe") or [], base.get("probe") or []
         ids = [p.get("token_ids") for p in mine]
@@ -139,17 +156,18 @@ def across_arms(baseline: str, reports: Mapping[str, Mapping[str, Any]], identic
 
 
 def _growth_against(baseline: str, reports: Mapping[str, Mapping[str, Any]]) -> list[Check]:
-    """Each other arm's RSS growth after warm-up exceeds the baseline's (the engine's own, OEA off) by at most
-    ``memory_bound_mib`` of its warm RSS: what OEA adds, apart from the engine's growth over the same mix."""
+    """Each other arm's RSS growth after warm-up exceeds ``baseline``'s (the engine's own, OEA off) by at most
+    ``memory_bound_mib`` of its warm RSS: what OEA adds, apart from the engine's growth over the same mix. An
+    off arm whose processes were gone at the end fails each comparison (there is nothing to compare with)."""
     base = reports[baseline].get("rss_growth_mib")
     checks = []
     for name, report in reports.items():
         growth = report.get("rss_growth_mib")
-        if name == baseline or "memory_after_warmup" not in report or base is None:
+        if name == baseline or "memory_after_warmup" not in report:
             continue
         bound = memory_bound_mib(float(report["memory_after_warmup"]["rss_mib"]))
-        held = growth is not None and growth - base <= bound
-        more = None if growth is None else growth - base
+        held = growth is not None and base is not None and growth - base <= bound
+        more = None if growth is None or base is None else growth - base
         detail = f"{_signed(growth)} vs {baseline}'s {_signed(base)} ({_signed(more)} more, bound {bound:.0f} MiB)"
         checks.append(Check(f"{name}: RSS growth within {baseline}'s + {bound:.0f} MiB", held, detail))
     return checks

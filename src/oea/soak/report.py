@@ -36,5 +36,6 @@ def print_result(result: dict[str, Any]) -> None:
     checks.add_column("held")
     checks.add_column("seen")
     for check in result["checks"]:
-        checks.add_row(check["name"], "yes" if check["held"] else "[bold red]NO[/]", check["detail"])
+        held = "yes" if check["held"] else "[bold red]NO[/]" if check.get("verdict", True) else "no (reported)"
+        checks.add_row(check["name"], held, check["detail"])
     console.print(checks)

@@ -1,8 +1,9 @@
 """A whole soak: every arm in turn (its server started, soaked and stopped, or a running server attached
 to), then what must hold across the arms and in each arm's metrics and trace.
 
-Returns ``{"arms": {name: report}, "checks": [check, ...], "held": bool}``; with ``out_dir`` each arm's
-report (every request's outcome included) goes to ``<arm>.json`` and the summary to ``soak.json``.
+Returns ``{"arms": {name: report}, "checks": [check, ...], "off": arm or None, "held": bool}`` (``held``: every
+check of the verdict held; ``off``: the OEA-off arm memory growth is judged against); with ``out_dir`` each
+arm's report (every request's outcome included) goes to ``<arm>.json`` and the summary to ``soak.json``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from oea.soak.checks import Check, across_arms, arm_checks, metrics_checks, read_metrics, trace_checks
+from oea.soak.checks import Check, across_arms, arm_checks, metrics_checks, off_arm, read_metrics, trace_checks
 from oea.soak.monitor import SoakError, identify
 from oea.soak.runner import SoakConfig, soak_server
 from oea.soak.servers import Arm, model_arg, process_group, router_shape, start, stop, wait
@@ -98,6 +99,8 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
         if name not in names:
             raise ValueError(f"--baseline / --identical-outputs name {name!r} is not an arm ({names})")
     check_outputs(arms, out_dir)
+    # An OEA-off arm whose memory is watched: each OEA arm's growth is judged against its growth (the engine's own).
+    off = off_arm([(a.name, a.env) for a in arms if a.base_url is None or a.name in (pgids or {})], baseline)
     log_dir = out_dir or Path.cwd() / "oea-soak"
     reports: dict[str, dict[str, Any]] = {}
     checks: list[Check] = []
@@ -134,7 +137,7 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
             report["env"] = dict(arm.env)
             report["leak_check_env"] = leak_check
             reports[arm.name] = report
-            checks += arm_checks(arm.name, report)
+            checks += arm_checks(arm.name, report, memory_verdict=off is None)
             checks += engine_checks(arm, shape, info.engine)
             say(f"{arm.name}: {report['sent']} sent, {report['completed']} completed, {report['refused']} refused, "
                 f"{report['aborted']} aborted, {report['failed']} failed in {report['soak_s']:.0f} s")
@@ -143,9 +146,9 @@ def run(arms: Sequence[Arm], cfg: SoakConfig, engine_args: Sequence[str] | None 
                 (out_dir / f"{arm.name}.json").write_text(json.dumps(report, indent=1) + "\n")
     finally:
         signal.signal(signal.SIGTERM, previous)
-    checks += across_arms(baseline, reports, identical) if len(reports) > 1 or identical else []
-    summary = {"arms": {name: _summary(r) for name, r in reports.items()}, "baseline": baseline,
-               "checks": [c.as_dict() for c in checks], "held": all(c.held for c in checks)}
+    checks += across_arms(baseline, reports, identical, off) if len(reports) > 1 or identical else []
+    summary = {"arms": {name: _summary(r) for name, r in reports.items()}, "baseline": baseline, "off": off,
+               "checks": [c.as_dict() for c in checks], "held": all(c.held for c in checks if c.verdict)}
     if out_dir is not None:
         (out_dir / "soak.json").write_text(json.dumps(summary, indent=1) + "\n")
     return {**summary, "reports": reports}
