@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "oea"
@@ -329,7 +330,8 @@ def test_no_engine_is_imported_at_module_level():
 def test_importing_oea_and_building_the_cli_loads_no_engine():
     code = ("import sys, oea, oea.cli; oea.cli.build_parser(); "
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(ENGINES)!r}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                          check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 

@@ -9,6 +9,7 @@ import json
 import pathlib
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 from oea.cli import build_parser, main
 
@@ -198,7 +199,7 @@ def test_an_error_found_after_the_passive_wait_re_run_is_the_only_stderr_line(ar
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-m", "oea", *argv, "--threads", "2"], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=CHILD_TIMEOUT_S)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith(f"oea bench {argv[1]}: error: ") and "PASSIVE" not in lines[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 from oea.cli import main
 from oea.integrations import doctor
@@ -327,7 +328,7 @@ def test_sglang_without_expected_target_names_it_and_the_supported_versions(tmp_
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env.get("PYTHONPATH", "")
     env["OEA_K0"] = "2"
     proc = subprocess.run([sys.executable, "-m", "oea", "doctor", "sglang", "--json"], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)
+                          text=True, env=env, cwd=tmp_path, timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 1, proc.stderr
     (engine,) = json.loads(proc.stdout)["engines"]
     checks = {c["name"]: c for c in engine["checks"]}

@@ -9,6 +9,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 
 @pytest.mark.parametrize(("group", "package"), [("vllm.general_plugins", "oea.integrations.vllm"),
@@ -25,7 +26,8 @@ def test_facade_attach_is_the_transformers_adapters_and_loads_lazily() -> None:
     code = ("import sys, oea; before = 'oea.integrations.transformers' in sys.modules; "
             "from oea.integrations.transformers.attach import attach, maybe_attach; "
             "print(before, oea.attach is attach, oea.maybe_attach is maybe_attach)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                          check=True)
     assert done.stdout.split() == ["False", "True", "True"], done.stdout + done.stderr
 
 

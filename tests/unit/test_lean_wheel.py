@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 from oea.cli import LAB_DEPENDENCIES, LAB_INSTALL
 
@@ -60,6 +62,12 @@ def _requirement_closure(names: tuple[str, ...]) -> list[md.Distribution]:
         found[name] = dist
         todo += [req for req in dist.requires or () if "extra ==" not in req]
     return list(found.values())
+
+
+def _alone() -> dict[str, str]:
+    """This process's environment without what would put other code or settings before the venv's: PYTHONPATH
+    (``scripts/mutation_check.py`` points it at a copy of src/) and OEA_* variables."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith(("OEA_", "SGLANG_OEA_"))}
 
 
 def _lean_venv(tmp: Path) -> Path:
@@ -106,17 +114,18 @@ def test_the_wheel_installs_beside_torch_alone_and_serves_the_plugins_doctor_and
         "print(json.dumps({'file': oea.__file__, 'ids': list(ids.shape),\n"
         "                  'entry_points': sorted(ep.value for ep in eps if callable(ep.load())),\n"
         f"                  'lab': [m for m in {sorted(LAB_DEPENDENCIES)!r} if u.find_spec(m)]}}))\n")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=tmp_path, env=_alone())
     assert checks.returncode == 0, checks.stderr
     seen = json.loads(checks.stdout)
     assert seen["file"].startswith(str(tmp_path / "venv")) and seen["ids"] == [6, 2] and seen["lab"] == []
     assert seen["entry_points"] == ["oea.integrations.sglang:register", "oea.integrations.vllm:register"]
 
     oea = str(python.parent / "oea")
-    doctor = subprocess.run([oea, "doctor"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    doctor = subprocess.run([oea, "doctor"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=tmp_path,
+                            env=_alone())
     assert doctor.returncode == 0 and "Traceback" not in doctor.stderr, doctor.stdout + doctor.stderr
     assert "environment (OEA_* variables)" in doctor.stdout
     tool = subprocess.run([oea, "report", "--quick", "--out", str(tmp_path / "report")], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+                          text=True, timeout=CHILD_TIMEOUT_S, cwd=tmp_path, env=_alone())
     assert tool.returncode == 2 and tool.stderr.count("\n") == 1 and tool.stderr.strip().endswith(LAB_INSTALL), \
         tool.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from fake_servers import fake_engine
+from hang_guard import CHILD_TIMEOUT_S
 from server_harness import free_port
 
 FAKE_SERVER = r'''
@@ -63,9 +64,9 @@ def test_serve_sglang_sets_oea_and_the_cpu_engine_waits_for_health_and_stops_on_
 
 
 def test_serve_sglang_with_arguments_sglang_refuses_exits_with_sglangs_message(fake_sglang: dict[str, str]) -> None:
-    proc = _oea(["--health-timeout", "600", "--", "--model-path", "m", "--bogus-flag"], fake_sglang)
+    proc = _oea(["--health-timeout", "3600", "--", "--model-path", "m", "--bogus-flag"], fake_sglang)
     try:
-        _, err = proc.communicate(timeout=120)  # never the health timeout
+        _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)  # far below the health timeout: never waited out
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -76,7 +77,7 @@ def test_serve_sglang_with_arguments_sglang_refuses_exits_with_sglangs_message(f
 
 def test_serve_sglang_refuses_a_bad_k0_before_starting_anything(fake_sglang: dict[str, str]) -> None:
     proc = _oea(["--k0", "0", "--", "--model-path", "m"], fake_sglang)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
     assert proc.returncode != 0 and "--k0 must be an integer >= 1, got 0" in err, err
 
 

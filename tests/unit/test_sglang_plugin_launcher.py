@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 FAKE_LAUNCH_SERVER = '''
 import json, multiprocessing as mp, sys
@@ -45,7 +46,7 @@ def _run(tmp_path: Path, args: list[str], env_extra: dict[str, str]) -> subproce
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra)
     return subprocess.run([sys.executable, "-m", "oea.launch.sglang", *args], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=120)
+                          env=env, cwd=tmp_path, timeout=CHILD_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import CHILD_TIMEOUT_S
 
 from oea.soak.monitor import SoakError
 from oea.soak.servers import engine_of, interpreter, model_arg
@@ -82,7 +83,7 @@ def test_nice_lowers_the_client_and_each_servers_priority(tmp_path: Path) -> Non
     fake.chmod(0o755)
     proc = subprocess.run([sys.executable, "-m", "oea", "soak", "--nice", "15", "--arm", "a=", "--python", str(fake),
                            "--requests", "5", "--duration", "10", "--out", str(tmp_path / "out"), "--", "--model",
-                           "m", "--port", "9"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                           "m", "--port", "9"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
                           start_new_session=True)
     own = Path("/proc/self/autogroup")

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hang_guard import CHILD_TIMEOUT_S
 
 import oea
 import oea.integrations.recorder as recorder_module
@@ -408,7 +409,7 @@ def test_a_worker_killed_after_a_checkpoint_leaves_the_trace_of_the_checkpointed
 
     path = tmp_path / "killed.safetensors"
     proc = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(path), str(N), str(K), str(L)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == -9, proc.stderr[-2000:]
     trace = load_trace(str(path))
     assert trace.step_ids.tolist() == [1] * 4 + [2] * 4 + [3] * 4
