@@ -231,7 +231,7 @@ def check_refusals(soak: dict[str, Any]) -> list[Any]:
     reports = {name: soak["reports"][name] for name in ("off", "oea")}
     kinds = {o["refusal"] for o in reports["off"]["outcomes"] if o["outcome"] == "refused"}
     assert kinds == REFUSAL_KINDS
-    checks = across_arms("off", reports)
+    checks = across_arms("off", reports, off="off")  # OEA's growth judged against OEA off's
     assert_held(checks)
     return checks
 
