@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -U pip
 	$(PIP_INSTALL) torch==2.13.0
-	$(PIP_INSTALL) -e '.[dev,lab,transformers,eval]'
+	@mkdir -p .cache
+	flock .cache/editable-install.lock $(PIP_INSTALL) -e '.[dev,lab,transformers,eval]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -33,9 +34,9 @@ demo: $(STAMP)
 install:
 	@$(MAKE) --no-print-directory -j4 $(STAMP) engines-vllm engines-sglang cuda-wheels
 
-# .venv first; then ruff and the tests outside the `engine` marker (none of them reads the engine venvs or the
-# CUDA wheels) run while those install; then the `engine` tests. Together: every test, as one pytest run would.
-# Prints each phase's wall time and, last, `make test: N s`.
+# The four environments install at once (as make install), ruff and the tests outside the `engine` marker run as
+# soon as .venv is there (none of them reads the engine venvs or the CUDA wheels); then the `engine` tests.
+# Together: every test, as one pytest run would. Prints each phase's wall time and, last, `make test: N s`.
 test:
 	@start=$$(date +%s); status=0; \
 	$(MAKE) --no-print-directory test-phases || status=$$?; \
@@ -46,9 +47,8 @@ TIMED = @t=$$(date +%s); status=0; $(1) || status=$$?; echo "make test: $(2) $$(
 	exit $$status
 
 test-phases:
-	$(call TIMED,$(MAKE) --no-print-directory $(STAMP),phase 1 (.venv))
-	$(call TIMED,$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels,phase 2 (ruff$(comma) non-engine tests$(comma) engine installs))
-	$(call TIMED,$(MAKE) --no-print-directory test-engines,phase 3 (engine tests))
+	$(call TIMED,$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels,phase 1 (installs$(comma) ruff$(comma) non-engine tests))
+	$(call TIMED,$(MAKE) --no-print-directory test-engines,phase 2 (engine tests))
 
 # The engine tests in two pytest-xdist workers, one per engine (tests/conftest.py): the vLLM and SGLang servers run
 # beside each other, within the machine's server slots (tests/server_harness.py); on two cores one server serving

@@ -93,8 +93,14 @@ PY
 guard_torchvision_fake_kernels
 # pip cannot say --no-deps for one requirement of a list, hence the separate call.
 pip_install --no-deps "sglang==$SGLANG_VERSION"
-# with oea[lab]: the engine tests run oea's evidence tools (traces, replay scripts) in this environment too
-pip_install -e "$ROOT[lab]"
+# with oea[lab]: the engine tests run oea's evidence tools (traces, replay scripts) in this environment too; under
+# the editable-install lock (make test installs .venv and both engine venvs at once, and each editable build
+# writes src/oea.egg-info)
+mkdir -p "$ROOT/.cache"
+(
+    flock 9
+    pip_install -e "$ROOT[lab]"
+) 9> "$ROOT/.cache/editable-install.lock"
 
 "$VENV/bin/python" -W ignore - <<'PY'
 from importlib.metadata import entry_points, version

@@ -50,8 +50,13 @@ done
 # pinned to its current version, so only the project's missing dependencies get added.
 FROZEN="$VENV/.oea-frozen.txt"
 "${PIP[@]}" freeze --exclude-editable | grep -v '^-e ' | grep -v ' @ ' > "$FROZEN"
-# with oea[lab]: the engine tests run oea's evidence tools in this environment too
-quiet_pip install -q --disable-pip-version-check -c "$FROZEN" -e "$ROOT[lab]"
+# with oea[lab]: the engine tests run oea's evidence tools in this environment too. Under the editable-install lock:
+# make test installs .venv and both engine venvs at once, and each editable build writes src/oea.egg-info.
+mkdir -p "$ROOT/.cache"
+(
+    flock 9
+    quiet_pip install -q --disable-pip-version-check -c "$FROZEN" -e "$ROOT[lab]"
+) 9> "$ROOT/.cache/editable-install.lock"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
