@@ -176,7 +176,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(handler=_eval)
 
-    sub = p.add_subparsers(dest="eval_command", metavar="{lm-eval}")
+    sub = p.add_subparsers(dest="eval_command", metavar="{lm-eval,serve}")
     lm = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks with OEA attached",
                         description="lm-eval tasks on the model with a routing policy attached (decode steps only "
                         "unless --all-forwards); one run per batch size.")
@@ -199,3 +199,6 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     lm.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")
     lm.add_argument("--json", action="store_true", help="print the runs as JSON (lm-eval results and routing)")
     lm.set_defaults(handler=_lm_eval)
+    from oea.eval.serve_cli import register_serve
+
+    register_serve(sub)

@@ -13,6 +13,9 @@ import ...``; the files below are how the package is organised, not separate API
   (all of these in ``intervals.py``)
 * ``proportion_interval``: a share with its Wilson score interval, inside [0, 1] (``proportions.py``).
 * ``linear_fit`` / ``r_squared``: ordinary least squares with R² (``fits.py``).
+* ``compare_items`` / ``mcnemar_exact`` / ``output_agreement``: two arms scored on the same items (pass/fail or
+  graded): difference with interval, exact McNemar or paired t, verdict, minimum detectable difference, share of
+  identical outputs (``paired_items.py``).
 
 Inputs are 1-D sequences of finite floats (lists, tuples, numpy arrays); every function raises
 ``ValueError`` naming the problem for empty, non-finite, mismatched or too-short input. Bootstrap
@@ -40,21 +43,39 @@ from oea.stats.intervals import (
     t_two_sided_p,
     unpaired_standard_error,
 )
+from oea.stats.paired_items import (
+    Agreement,
+    ItemComparison,
+    compare_items,
+    first_difference,
+    mcnemar_exact,
+    min_detectable_graded,
+    min_detectable_pass_fail,
+    output_agreement,
+)
 from oea.stats.proportions import proportion_interval
 
 __all__ = [
     "DEFAULT_LEVEL",
     "DEFAULT_RESAMPLES",
     "VERDICTS",
+    "Agreement",
     "Interval",
+    "ItemComparison",
     "LinearFit",
     "PairedDifference",
     "bootstrap_interval",
+    "compare_items",
+    "first_difference",
     "linear_fit",
+    "mcnemar_exact",
     "mean_bootstrap_interval",
     "mean_interval",
     "mean_of_estimates",
     "median_interval",
+    "min_detectable_graded",
+    "min_detectable_pass_fail",
+    "output_agreement",
     "paired_difference",
     "proportion_interval",
     "r_squared",

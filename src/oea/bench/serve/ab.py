@@ -269,7 +269,7 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str],
     from oea.launch.vllm import oea_env
 
     engine, shared_args, arm_args = command
-    start_server = _starter(engine, shared_args, python)
+    start_server = server_starter(engine, shared_args, python)
     for r in range(first_round, first_round + cfg.rounds):
         for name in restart_order(names, r):
             metrics_file = out_dir / f"engine-{name}-round{r}.jsonl"
@@ -299,7 +299,7 @@ def _restart_rounds(serve_arms: dict[str, dict[str, str]], names: list[str],
                 stop_server(server)
 
 
-def _starter(engine: str, server_args: list[str], python: str | None) -> Callable[..., Any]:
+def server_starter(engine: str, server_args: list[str], python: str | None) -> Callable[..., Any]:
     """``start_server(args, env, python=, log_path=, nice=)`` of ``engine``'s launcher. An SGLang CPU server
     (``--device cpu``) whose interpreter has no ``sgl_kernel`` gets the launcher's stand-in
     (``oea.launch.sglang_server``: no CPU build of SGLang's kernel package is on the package index)."""
