@@ -10,10 +10,13 @@ failure of lm-eval's requests (after its retries) marks every item of the cell a
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 from typing import Any
 
 from oea.eval.serve_run import ItemRunner
+
+API_PACKAGES: tuple[str, ...] = ("lm_eval", "tenacity", "aiohttp")  # what local-completions imports (lm-eval[api])
 
 
 def _manager(include_path: str) -> Any:
@@ -32,21 +35,18 @@ def check_task(task: str, include_path: str | None) -> None:
                          f"nothing is downloaded), or use the bundled --task {BUNDLED_TASK}")
     if not pathlib.Path(include_path).is_dir():
         raise ValueError(f"--include-path {include_path}: no such directory (it should hold task YAMLs)")
+    missing = [name for name in API_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"--task {task}: lm-eval's local-completions model needs lm-eval's api extra (missing: "
+                         f"{', '.join(missing)}): pip install 'lm-eval[api]'")
     manager = _manager(include_path)
     if task not in manager.all_tasks:
         known = ", ".join(sorted(manager.all_tasks)[:10]) or "none"
         raise ValueError(f"--task {task}: not a task under --include-path {include_path} (tasks there: {known})")
-    loaded = manager.load_task_or_group([task])
-    kinds = {getattr(t, "OUTPUT_TYPE", None) for t in _leaves(loaded)}
+    kinds = {getattr(t, "OUTPUT_TYPE", None) for t in manager.load([task])["tasks"].values()}
     if kinds != {"generate_until"}:
         raise ValueError(f"--task {task}: oea eval serve runs generate_until tasks; this one is "
                          f"{sorted(map(str, kinds))}")
-
-
-def _leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    return [tree]
 
 
 def lm_eval_runner(task: str, include_path: str | None, limit: int, timeout: float) -> ItemRunner:
