@@ -37,6 +37,8 @@ LAB_ON_USE: dict[tuple[str, str], str] = {
     ("oea.stats.intervals", "scipy"): "t and bootstrap intervals: `oea doctor --metrics-file` summarises a "
                                       "served metrics file with them (the CLI guard names oea[lab] there)",
     ("oea.stats.proportions", "scipy"): "Wilson intervals, reached through oea.stats as above",
+    ("oea.stats.paired_items", "scipy"): "exact McNemar and normal quantiles of oea eval serve, reached through "
+                                         "oea.stats as above",
 }
 
 
