@@ -100,12 +100,15 @@ def test_an_item_that_fails_in_one_arm_is_counted_and_dropped_from_every_arm(
 def test_oea_metrics_in_the_rows_and_an_arm_that_never_rewrote_is_not_a_verdict(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stock, oea = tmp_path / "stock.metrics.jsonl", tmp_path / "oea.metrics.jsonl"
+    out = tmp_path / "q.jsonl"
     with (serving(answers()) as off, serving(answers(metrics_file=str(stock))) as idle,
           serving(answers(metrics_file=str(oea), rewrites=True)) as k0):
         code, report = _run(["--arm", f"off={off}", "--arm", f"idle={idle}", "--arm", f"k0={k0}",
                              "--engine-metrics", f"idle={stock}", "--engine-metrics", f"k0={oea}",
-                             "--num-items", "12", "--max-concurrency", "1", "--json"], capsys)
+                             "--num-items", "12", "--max-concurrency", "1", "--output-file", str(out), "--json"],
+                            capsys)
     assert code == 0
+    assert _run(["--summarize", str(out), "--json"], capsys)[1]["summary"] == report["summary"]  # cells re-read
     rows = {r["arm"]: r for r in report["summary"] if r["metric"] == "exact_match"}
     assert rows["off"]["decode_steps"] is None  # no metrics file for that arm
     assert rows["idle"]["decode_steps"] == 12 and rows["idle"]["rewritten_steps"] == 0

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ITEM_FIELDS = ("kind", "arm", "task", "max_concurrency", "round", "item")
+ROW_FIELDS = ("kind", "arm", "task", "max_concurrency", "round")  # item rows and cell rows both have them
 
 
 def read_rows(path: str, flag: str, needed: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
         if args.arm or args.serve_arm or args.output_file:
             raise ValueError("--summarize reads an earlier run: it cannot be combined with --arm, --serve-arm or "
                              "--output-file")
-        rows = read_rows(args.summarize, "--summarize", ITEM_FIELDS)
+        rows = read_rows(args.summarize, "--summarize", ROW_FIELDS)
     else:
         rows = run(args)
     summary = summary_rows(rows, args.baseline_arm)
