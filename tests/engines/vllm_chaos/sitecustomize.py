@@ -20,10 +20,10 @@ def _install(router: int) -> None:
 
     original = routing.oea_route_for
 
-    def raising(spec, router_logits, valid, router_id=None):  # type: ignore[no-untyped-def]
+    def raising(spec, router_logits, valid, router_id=None, **kwargs):  # type: ignore[no-untyped-def]
         if router_id == router:
             raise RuntimeError(f"test-support: OEA's routing of router {router} raises (TEST_OEA_RAISE_IN_ROUTER)")
-        return original(spec, router_logits, valid, router_id)
+        return original(spec, router_logits, valid, router_id, **kwargs)
 
     routing.oea_route_for = raising
 
