@@ -39,7 +39,8 @@ MODULE_ORDER = {
              "test_vllm_soak"),
     "sglang": ("test_sglang_soak", "test_sglang_doctor", "test_sglang_metrics", "test_sglang_padding",
                "test_sglang_placement", "test_sglang_recording", "test_sglang_routing", "test_sglang_verify",
-               "test_sglang_server", "test_sglang_server_recording", "test_sglang_server_sigmoid"),
+               "test_sglang_server", "test_sglang_eval_serve", "test_sglang_server_recording",
+               "test_sglang_server_sigmoid"),
 }
 SERVERS_FIXTURE = "sglang_servers"
 _LIVE: dict[str, Any] = {}  # the started servers (name -> sglang_server.Live), while they run

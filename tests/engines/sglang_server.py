@@ -88,7 +88,7 @@ def server_arms(work: Path, modules: set[str]) -> list[Arm]:
             Arm("off"),
             Arm("k0_top_k", {"OEA_K0": str(EMBEDDED_TOP_K)}),
             Arm("k0_3", {"OEA_K0": "3", "OEA_METRICS_FILE": str(work / "k0_3.metrics.jsonl")}, trace=True),
-            Arm("alias_3", {"SGLANG_OEA_K0": "3"}),
+            Arm("alias_3", {"SGLANG_OEA_K0": "3", "OEA_METRICS_FILE": str(work / "alias_3.metrics.jsonl")}),
             Arm("k0_9", {"OEA_K0": "9"}),  # more than the model's top_k: the router does not fit the settings
             Arm("bad", {"OEA_K0": BAD_K0}),
         ]

@@ -4,10 +4,13 @@ Servers on 127.0.0.1, same model and requests:
   plain   - ``VLLM_PLUGINS=""``: vLLM without the plugin;
   observe - plugin loaded, OEA off (``OEA_METRICS_FILE`` + ``OEA_TIMING``): stock routing, counted;
   oea     - ``OEA_K0=2`` (model top_k = 8), metrics and timing on;
+  top_k   - ``OEA_K0=8`` (= top_k), metrics on: ``oea eval serve``'s identity arm;
   eager   - ``OEA_K0=2`` with ``--enforce-eager``;
   bad_k0  - ``OEA_K0=9``: must refuse to start, naming the variable.
 Phase 1 sends prompts one at a time (batch 1: deterministic outputs); phase 2 sends them all at once
-(batched decode, where OEA acts). Servers are stopped by their process group in ``finally``.
+(batched decode, where OEA acts). Then ``oea eval serve`` runs observe / top_k / oea on the same servers
+(``eval_serve_live``; its metrics rows are left out of the arms' ``metrics``), and a local lm-eval task through
+``local-completions`` on observe / top_k. Servers are stopped by their process group in ``finally``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from engine_venvs import engine_python
+from eval_serve_live import run_eval_serve, run_lm_eval_task
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
@@ -78,6 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "plain": {"VLLM_PLUGINS": ""},
         "observe": {"OEA_METRICS_FILE": str(workdir / "observe.jsonl"), "OEA_TIMING": "1"},
         "oea": {"OEA_K0": str(K0), "OEA_METRICS_FILE": str(workdir / "oea.jsonl"), "OEA_TIMING": "1"},
+        "top_k": {"OEA_K0": "8", "OEA_METRICS_FILE": str(workdir / "top_k.jsonl")},
         "eager": {"OEA_K0": str(K0), "OEA_METRICS_FILE": str(workdir / "eager.jsonl")},
         "bad_k0": {"OEA_K0": "9"},
     }
@@ -102,10 +107,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for name, server in servers.items():
             results[name] = _exercise(port_of(server))
         time.sleep(1.5)  # the workers flush metrics every 0.5 s
+        eval_started = time.time()  # oea eval serve's traffic comes last: the tests above never see its rows
+        results["oea"]["eval_serve"] = run_eval_serve({n: servers[n].base_url for n in ("observe", "top_k", "oea")},
+                                                      {n: Path(arms[n]["OEA_METRICS_FILE"]) for n in ("top_k", "oea")},
+                                                      workdir, "vllm")
+        results["oea"]["lm_eval"] = run_lm_eval_task({n: servers[n].base_url for n in ("observe", "top_k")}, workdir,
+                                                     "vllm")
     results["bad_k0"]["log"] = (workdir / "bad_k0.log").read_text(errors="replace")
     for name, server in servers.items():
         metrics = arms[name].get("OEA_METRICS_FILE")
-        results[name].update(metrics=read_jsonl(Path(metrics)) if metrics else [], pid=server.process.pid,
+        rows = [r for r in read_jsonl(Path(metrics)) if r["time"] < eval_started] if metrics else []
+        results[name].update(metrics=rows, pid=server.process.pid,
                              log=(workdir / f"{name}.log").read_text(errors="replace"))
     return results
 
@@ -191,3 +203,31 @@ def test_outputs_are_nonempty(runs: dict[str, dict]) -> None:
         if name == "bad_k0":
             continue
         assert all(len(o["tokens"]) == BATCH_TOKENS for o in run["batched"])
+
+
+def test_eval_serve_vllm_k0_top_k_is_identical_to_off(runs: dict[str, dict]) -> None:
+    import eval_serve_live as live
+
+    result = runs["oea"]["eval_serve"]
+    assert result["code"] == 0, result["stdout"]
+    live.check_identical(result, "top_k", "observe", live.CONCURRENCIES)
+    live.check_scores_well_above_zero(result, "observe")
+
+
+def test_eval_serve_vllm_concurrency_1_is_identical_to_off(runs: dict[str, dict]) -> None:
+    import eval_serve_live as live
+
+    live.check_identical(runs["oea"]["eval_serve"], "oea", "observe", (1,))
+    live.check_untouched_below_min_batch(runs["oea"]["eval_serve"], "oea")
+
+
+def test_eval_serve_vllm_k0_2_differs_and_its_verdict_follows_from_the_items(runs: dict[str, dict]) -> None:
+    import eval_serve_live as live
+
+    live.check_low_k0(runs["oea"]["eval_serve"], "oea", "observe")
+
+
+def test_eval_serve_vllm_lm_eval_task_through_local_completions(runs: dict[str, dict]) -> None:
+    import eval_serve_live as live
+
+    live.check_lm_eval_task(runs["oea"]["lm_eval"], "top_k", "observe")
