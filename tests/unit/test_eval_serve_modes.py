@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from eval_serve_fakes import answers
 from fake_servers import fake_engine, serving
+from lm_eval_task import write_task
 from server_harness import free_port
 
 from oea.cli import main
@@ -87,37 +88,10 @@ def test_does_it_pay_puts_the_tpot_ratio_beside_the_quality_delta(tmp_path: Path
     assert "--speed-file: its bench serve rows share no (arm, max_concurrency)" in capsys.readouterr().err
 
 
-TASK_YAML = """task: oea_lines
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 32
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-"""
-
-
 @pytest.mark.slow
 def test_an_lm_eval_task_from_a_local_yaml_runs_through_local_completions(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("lm_eval")
-    pytest.importorskip("tenacity", reason="lm-eval's local-completions needs lm-eval[api] (tenacity)")
-    from oea.eval.serve_tasks import line_items
-
-    data = tmp_path / "tasks" / "lines.jsonl"
-    data.parent.mkdir()
-    data.write_text("".join(json.dumps({"prompt": i.prompt, "target": i.target}) + "\n" for i in line_items(6, 1)))
-    (tmp_path / "tasks" / "oea_lines.yaml").write_text(TASK_YAML.format(data=data))
+    write_task(tmp_path / "tasks", 6)
     off_handler, k3_handler = answers(), answers(wrong_every=3)
     with serving(off_handler) as off, serving(k3_handler) as k3:
         code = main(["eval", "serve", "--arm", f"off={off}", "--arm", f"k3={k3}", "--task", "oea_lines",
