@@ -73,20 +73,25 @@ def number_headings(markdown: str) -> str:
     return "\n".join(lines)
 
 
-def build_report(out: pathlib.Path, quick: bool = False, seed: int = 0, console: Any = None) -> ReportContext:
-    """Run every registered section and write ``out/report.md`` and ``out/results.json``."""
+def build_report(out: pathlib.Path, quick: bool = False, seed: int = 0, console: Any = None,
+                 served: dict[str, Any] | None = None) -> ReportContext:
+    """Run every registered section and write ``out/report.md`` and ``out/results.json``; ``served``: the served
+    system's rows (``oea.report.sections.served.load_served``), shown in their own section. A section that
+    returns "" adds nothing."""
     from rich.console import Console
 
     check_output_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(out=out, sizes=QUICK if quick else FULL, seed=seed,
-                        console=console or Console(stderr=True), quick=quick)
+                        console=console or Console(stderr=True), quick=quick, served=served)
     parts = []
     for name, section in SECTIONS:
         started = time.perf_counter()
         ctx.console.log(f"report: {name} ...")
         try:
-            parts.append(section(ctx))
+            text = section(ctx)
+            if text:
+                parts.append(text)
         except Exception as err:  # a broken section must show in the report, not abort the others
             parts.append(f"## {name}\n\n**This section failed**: {type(err).__name__}: {err}\n\n```\n"
                          f"{traceback.format_exc(limit=4)}```")
@@ -149,10 +154,13 @@ def _gain(row: dict[str, Any], k0: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from oea.report.sections.served import load_served
+
     out = pathlib.Path(args.out)
-    check_output_folder(out)  # before any work
+    check_output_folder(out)  # before any work, as the served rows are
+    served = load_served(args.served_quality, args.served_speed)
     torch.set_num_threads(args.threads)
-    ctx = build_report(out, quick=args.quick, seed=args.seed)
+    ctx = build_report(out, quick=args.quick, seed=args.seed, served=served)
     if args.json:
         print(json.dumps(_jsonable(ctx), indent=1, default=str))
     else:

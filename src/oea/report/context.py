@@ -60,6 +60,7 @@ class ReportContext:
     results: dict[str, Any] = field(default_factory=dict)
     plots: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    served: dict[str, Any] | None = None  # oea eval serve / bench serve rows (sections.served.load_served)
 
     def progress(self, description: str):
         """A rich progress bar on stderr (silent when stderr is not a terminal)."""

@@ -14,6 +14,7 @@ from oea.report.sections.caveats import section_caveats
 from oea.report.sections.latency import section_latency, section_roofline
 from oea.report.sections.overview import section_capture, section_overview
 from oea.report.sections.quality import section_quality
+from oea.report.sections.served import section_served
 from oea.report.sections.simulation import section_simulation
 
 DEFAULT_SECTIONS: tuple[tuple[str, Section], ...] = (
@@ -21,6 +22,7 @@ DEFAULT_SECTIONS: tuple[tuple[str, Section], ...] = (
     ("capture", section_capture),
     ("simulation", section_simulation),
     ("quality", section_quality),
+    ("served", section_served),
     ("latency", section_latency),
     ("roofline", section_roofline),
     ("beyond", section_beyond),
