@@ -56,6 +56,10 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--python", help="restart mode: interpreter with the engine installed (default: this one)")
     p.add_argument("--health-timeout", type=float_between(0, low_open=True), default=900.0,
                    help="restart mode: longest wait for each server's /health (seconds)")
+    p.add_argument("--server-nice", type=int, metavar="N",
+                   help="restart mode: scheduling priority of each server and of this client, session autogroup "
+                        "included (-20..19; e.g. 19 to measure quality beside other work without slowing it; "
+                        "below 0 needs root)")
     p.add_argument("--output-file", help="append the item and cell rows (JSON lines) as each cell ends")
     p.add_argument("--summarize", metavar="FILE", help="run nothing: the summary of an earlier run's --output-file")
     p.add_argument("--speed-file", metavar="FILE",

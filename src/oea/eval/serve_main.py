@@ -76,9 +76,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         plan = _plan(args)
         out_dir = Path(args.engine_metrics_dir or (output_file.parent if output_file else Path("oea-eval-serve")))
         return run_restarted(serve_arms, list(args.server_args), plan, out_dir, output_file, args.python,
-                             args.health_timeout, args.engine, progress=not args.no_progress)
+                             args.health_timeout, args.engine, progress=not args.no_progress,
+                             server_nice=args.server_nice)
     if server_args:
         raise ValueError("server arguments after '--' are only used with --serve-arm (restart mode)")
+    if args.server_nice is not None:
+        raise ValueError("--server-nice sets the priority of the servers restart mode starts: use it with "
+                         "--serve-arm (a running server keeps the priority it was started with)")
     arms = parse_arms(argparse.Namespace(base_url=None, base_url_a=None, base_url_b=None, arm=args.arm))
     if not arms:
         raise ValueError("--arm: give the servers to compare (--arm NAME=URL, twice or more), or --serve-arm NAME=ENV "

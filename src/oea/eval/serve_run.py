@@ -137,10 +137,12 @@ def run_running(arms: Sequence[Arm], plan: EvalPlan, models: dict[str, str], met
 
 def run_restarted(serve_arms: dict[str, dict[str, str]], server_args: list[str], plan: EvalPlan, out_dir: Path,
                   output_file: Path | None, python: str | None, health_timeout: float, engine: str | None,
-                  progress: bool = True) -> list[dict[str, Any]]:
+                  progress: bool = True, server_nice: int | None = None) -> list[dict[str, Any]]:
     """Restart mode: for each round, each arm (order ``restart_order``) gets a fresh server of the engine with its
     environment and ``OEA_METRICS_FILE`` (``out_dir/engine-NAME-roundR.jsonl``), answers the items at every
-    concurrency, and is stopped (SIGTERM stops the current server before this process exits, as Ctrl-C does)."""
+    concurrency, and is stopped (SIGTERM stops the current server before this process exits, as Ctrl-C does).
+    ``server_nice``: every server's priority and this client's (``oea.launch.priority``), set before any server
+    starts (a value out of range or refused names ``--server-nice``)."""
     from oea.bench.serve.ab import restart_order, server_starter
     from oea.bench.serve.engines import check_engine, detect_engine, require_engine
     from oea.launch.server_process import oea_env, stop_server, strip_separator, wait_healthy
@@ -150,6 +152,10 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], server_args: list[str],
         raise ValueError("--serve-arm: restart mode needs the server arguments after '--' (vLLM's api_server or "
                          "SGLang's launch_server)")
     engine = check_engine(engine) or detect_engine(server_args)
+    if server_nice is not None:  # the client too: its requests keep pace with the servers it measures
+        from oea.launch.priority import set_priority
+
+        set_priority(server_nice, "--server-nice")
     out_dir.mkdir(parents=True, exist_ok=True)
     start_server = server_starter(engine, server_args, python)
     rows: list[dict[str, Any]] = []
@@ -167,7 +173,7 @@ def run_restarted(serve_arms: dict[str, dict[str, str]], server_args: list[str],
                 env.update({"OEA_METRICS_FILE": str(metrics_file), **serve_arms[name]})
                 _note(progress, f"starting {engine} for arm {name}, round {r + 1}/{plan.rounds}")
                 server = start_server(server_args, env, python=python,
-                                      log_path=out_dir / f"server-{name}-round{r}.log")
+                                      log_path=out_dir / f"server-{name}-round{r}.log", nice=server_nice)
                 try:
                     wait_healthy(server, timeout=health_timeout, timeout_name="--health-timeout")
                     require_engine(server.base_url, engine, strict=False)
