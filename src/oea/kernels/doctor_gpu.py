@@ -118,8 +118,34 @@ def _compile(capability: tuple[int, int], specialisations: Sequence[Any]) -> tup
     return check("compile", True, f"{figures}, no spills"), True
 
 
+PADDING_ROWS = 3  # per padded case: enough that a kernel counting them as real changes OEA's union
+
+
+def padding_mask(rows: int, layout: str) -> torch.Tensor:
+    """[rows] bool ``valid`` mask, False on the padding rows: ``"none"`` (every row real), ``"trailing"`` (the
+    last ``PADDING_ROWS``, as a CUDA graph captured for a larger batch pads) or ``"scattered"`` (every fifth row
+    from the third, ``PADDING_ROWS`` of them: padding between real rows, which a kernel that only trims the
+    tail would get wrong). The first row is always real."""
+    index = torch.arange(rows)
+    if layout == "none":
+        return torch.ones(rows, dtype=torch.bool)
+    if layout == "trailing":
+        return index < max(1, rows - PADDING_ROWS)
+    if layout == "scattered":
+        return ~((index % 5 == 2) & (index < 5 * PADDING_ROWS))
+    raise ValueError(f"padding layout must be 'none', 'trailing' or 'scattered', got {layout!r}")
+
+
+# (rows, padding layout) of each router and policy: one decode row and two padded batches (27 cases in all).
+# The padded cases hold the kernels to ``oea.route``'s padding rule (padding rows keep vanilla routing and stay
+# out of OEA's union and row count), which every engine's padded decode batch relies on: without them a kernel
+# that counts padding rows as real passes this check.
+SHAPES: tuple[tuple[int, str], ...] = ((1, "none"), (16, "scattered"), (100, "trailing"))
+
+
 def _cases(device: str) -> list[tuple[str, torch.Tensor, Any, Any, torch.Tensor | None]]:
-    """(label, logits, spec, cfg, valid) on ``device``: both families, three dtypes, padding, three policies."""
+    """(label, logits, spec, cfg, valid) on ``device``: both families, three dtypes, three policies, each with
+    one real row and two batches with padding rows (``SHAPES``); a padded case's label says so."""
     gen = torch.Generator().manual_seed(0)
     bias = (torch.randn(256, generator=gen) * 0.1).to(device)
     routers = {"softmax N=128 k=8": (RouterSpec(128, 8), torch.bfloat16),
@@ -130,10 +156,13 @@ def _cases(device: str) -> list[tuple[str, torch.Tensor, Any, Any, torch.Tensor 
     cases = []
     for router, (spec, dtype) in routers.items():
         for policy, cfg in configs.items():
-            for rows in (1, 16, 100):
+            for rows, layout in SHAPES:
                 logits = (torch.randn(rows, spec.num_experts, generator=gen) * 2).to(device, dtype)
-                valid = (torch.arange(rows) < max(1, rows - 3)).to(device)
-                cases.append((f"{router} {dtype} {policy} M={rows}", logits, spec, cfg, valid))
+                valid = padding_mask(rows, layout)
+                padded = rows - int(valid.sum())
+                label = f"{router} {dtype} {policy} M={rows}"
+                label += f" ({padded} padding rows, {layout})" if padded else ""  # a failure names its padding
+                cases.append((label, logits, spec, cfg, valid.to(device)))
     return cases
 
 

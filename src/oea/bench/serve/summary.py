@@ -1,10 +1,12 @@
 """A/B summary of ``oea bench serve`` rows: per concurrency and arm, medians over rounds with 95% CIs,
-ratios to a baseline arm with paired CIs, engine-side figures, a table and a PNG.
+ratios to a baseline arm with paired CIs, engine-side figures (means over rounds), a table and a PNG.
 
 Rounds are the unit: each (arm, concurrency, round) row is one server run of the same prompts as the
 other arms' rows of that round, so arm-vs-baseline ratios are paired by round (``oea.stats``:
 ratio of medians, whole rounds resampled). Per-round values are the row's own medians over its requests
-(``median_tpot_ms``, ``median_itl_ms``) or its totals (``output_throughput``).
+(``median_tpot_ms``, ``median_itl_ms``) or its totals (``output_throughput``). A ratio resting on fewer than
+two common rounds has no interval (``None``, and a note saying why): one pair cannot be resampled, and an
+unpaired bootstrap of rounds that ran at different times would pass the machine's drift off as precision.
 """
 
 from __future__ import annotations
@@ -25,10 +27,27 @@ ENGINE_FIELDS: tuple[str, ...] = ("engine_active_experts", "engine_active_expert
                                   "engine_mean_tokens_per_request")
 COUNT_FIELDS: tuple[str, ...] = ("engine_decode_steps", "engine_verify_steps", "engine_verify_steps_rewritten",
                                  "engine_decode_steps_rewritten")  # summed over rounds
+ENGINE_STATISTIC = "mean"  # of ENGINE_FIELDS over an arm's rounds, as docs/benchmarks-serving.md says
+MIN_PAIRS = 2  # common rounds a ratio's interval needs (fewer: no interval)
 
 
 def _finite(values: Sequence[Any]) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(float(v))]
+
+
+def no_interval_note(common: int, baseline: str) -> str:
+    """Why a ratio has no interval: it rests on ``common`` (< ``MIN_PAIRS``) rounds shared with ``baseline``."""
+    shared = f"{common} round" if common == 1 else f"{common} rounds"
+    return (f"no interval: {shared} in common with {baseline!r} ({MIN_PAIRS} needed); the ratio is of all "
+            "rounds' medians, unpaired")
+
+
+def _unpaired_ratio(own: Sequence[float], base: Sequence[float], what: str) -> float:
+    """median(own) / median(base), the point estimate of a ratio without enough pairs for an interval."""
+    denominator = statistics.median(base)
+    if denominator == 0:
+        raise ValueError(f"{what}: the baseline's median is 0; the ratio is undefined")
+    return statistics.median(own) / denominator
 
 
 def _by_round(rows: Sequence[dict[str, Any]], key: str) -> dict[int, float]:
@@ -40,12 +59,13 @@ def ab_summary(rows: Sequence[dict[str, Any]], baseline: str | None = None, seed
     """One entry per (max_concurrency, arm): ``rounds``, and for each metric M ``M`` (median over rounds),
     ``M_ci`` (bootstrap 95% CI of that median), ``M_rounds`` (per-round values), and for arms other than
     the baseline ``M_ratio`` / ``M_ratio_ci`` (median(arm) / median(baseline) over the rounds both have,
-    resampled in pairs; ``M_ratio_pairs`` of them; with fewer than two common rounds, all rounds,
-    unpaired, and ``M_ratio_pairs`` 0); for the acceptance rate also ``M_diff`` / ``M_diff_ci`` (mean
-    per-round difference arm − baseline, paired t interval; two common rounds at least); engine fields are
-    means over rounds, step counts (``COUNT_FIELDS``) sums. Metrics a row lacks (``spec_*`` without
-    speculation) are left out. ``baseline`` defaults to
-    the first arm seen; ``ValueError`` names ``--baseline-arm`` when it is not an arm."""
+    resampled in pairs; ``M_ratio_pairs`` of them); with fewer than two common rounds ``M_ratio`` is
+    median(arm) / median(baseline) over all their rounds, unpaired, ``M_ratio_ci`` is ``None`` (no interval),
+    ``M_ratio_pairs`` 0 and ``M_ratio_note`` says why (``no_interval_note``); for the acceptance rate also
+    ``M_diff`` / ``M_diff_ci`` (mean per-round difference arm − baseline, paired t interval; two common rounds
+    at least). Engine fields (``ENGINE_FIELDS``) are means over rounds (``ENGINE_STATISTIC``), step counts
+    (``COUNT_FIELDS``) sums. Metrics a row lacks (``spec_*`` without speculation) are left out. ``baseline``
+    defaults to the first arm seen; ``ValueError`` names ``--baseline-arm`` when it is not an arm."""
     from oea.stats import median_interval, paired_difference, ratio_of_medians_interval
 
     arms = list(dict.fromkeys(r["arm"] for r in rows))
@@ -75,17 +95,21 @@ def ab_summary(rows: Sequence[dict[str, Any]], baseline: str | None = None, seed
                 if arm == baseline or not base:
                     continue
                 common = sorted(set(own) & set(base))
-                if len(common) >= 2:
+                if len(common) >= MIN_PAIRS:
                     ratio = ratio_of_medians_interval([own[k] for k in common], [base[k] for k in common], rng,
                                                       paired=True)
-                else:
-                    ratio = ratio_of_medians_interval(values, [base[k] for k in sorted(base)], rng, paired=False)
-                entry.update({f"{metric}_ratio": ratio.estimate, f"{metric}_ratio_ci": ratio.as_list(),
-                              f"{metric}_ratio_pairs": len(common) if len(common) >= 2 else 0})
-                if metric in DIFF_METRICS and len(common) >= 2:
+                    entry.update({f"{metric}_ratio": ratio.estimate, f"{metric}_ratio_ci": ratio.as_list(),
+                                  f"{metric}_ratio_pairs": len(common)})
+                else:  # a point estimate only: see the module docstring
+                    estimate = _unpaired_ratio(values, [base[k] for k in sorted(base)],
+                                               f"{metric} at max_concurrency {concurrency} ({arm!r} / {baseline!r})")
+                    note = no_interval_note(len(common), baseline)
+                    entry.update({f"{metric}_ratio": estimate, f"{metric}_ratio_ci": None,
+                                  f"{metric}_ratio_pairs": 0, f"{metric}_ratio_note": note})
+                if metric in DIFF_METRICS and len(common) >= MIN_PAIRS:
                     diff = paired_difference([own[k] for k in common], [base[k] for k in common])
                     entry.update({f"{metric}_diff": diff.mean, f"{metric}_diff_ci": diff.ci.as_list()})
-            for field in ENGINE_FIELDS:
+            for field in ENGINE_FIELDS:  # means, not medians: the documented statistic (ENGINE_STATISTIC)
                 values = _finite(r.get(field) for r in cell[arm])
                 if values:
                     entry[field] = statistics.mean(values)
@@ -100,13 +124,15 @@ def ab_summary(rows: Sequence[dict[str, Any]], baseline: str | None = None, seed
 
 
 def print_ab_table(summary: Sequence[dict[str, Any]]) -> None:
-    """The A/B summary as a rich table on stdout; each ratio says how many rounds it pairs (``pairs``)."""
+    """The A/B summary as a rich table on stdout; each ratio says how many rounds it pairs (``pairs``), a ratio
+    without an interval says so (``(no CI)``, and a caption), engine columns are means over rounds."""
     from rich.console import Console
     from rich.table import Table
 
     several = len({e["arm"] for e in summary}) > 1
+    engine = f"engine columns: {ENGINE_STATISTIC}s over rounds"
     table = Table(title=f"serving A/B (medians over rounds, 95% CI; ratios vs '{summary[0]['baseline']}', paired by "
-                        "round)" if several else "serving (medians over rounds, 95% CI)")
+                        f"round; {engine})" if several else f"serving (medians over rounds, 95% CI; {engine})")
     speculating = any("spec_acceptance_rate" in e for e in summary)
     columns = ["c", "arm", "rounds", "median TPOT ms", "TPOT ratio", "pairs", "median ITL ms", "out tok/s",
                "tok/s ratio"]
@@ -118,6 +144,8 @@ def print_ab_table(summary: Sequence[dict[str, Any]]) -> None:
     def cell(entry: dict[str, Any], key: str, fmt: str) -> str:
         if key not in entry:
             return "–"
+        if entry[f"{key}_ci"] is None:  # fewer than two common rounds (``M_ratio_note``)
+            return f"{entry[key]:{fmt}} (no CI)"
         lo, hi = entry[f"{key}_ci"]
         return f"{entry[key]:{fmt}} [{lo:{fmt}}–{hi:{fmt}}]"
 
@@ -143,12 +171,16 @@ def print_ab_table(summary: Sequence[dict[str, Any]]) -> None:
             f"{e['engine_step_ms_median']:.1f}" if "engine_step_ms_median" in e else "–",
             f"{e['engine_routing_share_step']:.2%}" if "engine_routing_share_step" in e else "–",
         )
+    if any(key.endswith("_ratio_note") for e in summary for key in e):
+        table.caption = (f"(no CI): fewer than {MIN_PAIRS} rounds in common with the baseline arm, so no interval; "
+                         "that ratio is of all rounds' medians, unpaired")
     Console(width=200).print(table)
 
 
 def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """PNG, panels against max concurrency, one line per arm: median TPOT, output tok/s (medians over rounds,
-    bars: 95% CI) and, with more than one arm, TPOT / baseline TPOT (bars: paired 95% CI)."""
+    bars: 95% CI) and, with more than one arm, TPOT / baseline TPOT (bars: paired 95% CI; none where a ratio
+    has no interval)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,8 +196,9 @@ def plot_ab(summary: Sequence[dict[str, Any]], path: str | Path, title: str = ""
             if not points:
                 continue
             mid = np.array([e[key] for e in points])
-            err = np.array([[m - e[f"{key}_ci"][0] for m, e in zip(mid, points, strict=True)],
-                            [e[f"{key}_ci"][1] - m for m, e in zip(mid, points, strict=True)]])
+            bounds = [e[f"{key}_ci"] or [m, m] for m, e in zip(mid, points, strict=True)]  # no interval: no bar
+            err = np.array([[m - lo for m, (lo, _) in zip(mid, bounds, strict=True)],
+                            [hi - m for m, (_, hi) in zip(mid, bounds, strict=True)]])
             ax.errorbar([e["max_concurrency"] for e in points], mid, yerr=err, marker="o", capsize=3, label=arm,
                         color=f"C{index % 10}")
     for ax, (_key, label) in zip(axes, panels, strict=True):
