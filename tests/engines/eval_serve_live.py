@@ -21,8 +21,6 @@ def run_eval_serve(arms: dict[str, str], metrics: dict[str, Path], out_dir: Path
     """Run ``oea eval serve`` (arm order as given, the first the baseline) and return ``rows`` (the
     ``--output-file``), ``summary`` (its ``--json``) and ``code`` (exit status; None when it raised, the error
     then in ``stdout``)."""
-    from oea.cli import main
-
     out_dir.mkdir(parents=True, exist_ok=True)
     output = out_dir / f"eval-serve-{engine}.jsonl"
     argv = ["eval", "serve", "--engine", engine, "--num-items", str(ITEMS), "--max-concurrency",
@@ -31,6 +29,14 @@ def run_eval_serve(arms: dict[str, str], metrics: dict[str, Path], out_dir: Path
         argv += ["--arm", f"{name}={url}"]
     for name, path in metrics.items():
         argv += ["--engine-metrics", f"{name}={path}"]
+    return _run(argv, output)
+
+
+def _run(argv: list[str], output: Path) -> dict[str, Any]:
+    """Run the command line ``argv`` in this process; ``code``, the ``rows`` it wrote to ``output``, ``summary``
+    (its ``--json``) and ``stdout``."""
+    from oea.cli import main
+
     stdout = io.StringIO()
     try:
         with contextlib.redirect_stdout(stdout):
@@ -50,23 +56,13 @@ def run_lm_eval_task(arms: dict[str, str], out_dir: Path, engine: str) -> dict[s
     ``local-completions``) against running servers, at concurrency 4; the same fields as ``run_eval_serve``."""
     from lm_eval_task import TASK, write_task
 
-    from oea.cli import main
-
     include = write_task(out_dir / "lm_eval_tasks", LM_EVAL_ITEMS)
     output = out_dir / f"eval-serve-lm-eval-{engine}.jsonl"
     argv = ["eval", "serve", "--task", TASK, "--include-path", str(include), "--num-items", str(LM_EVAL_ITEMS),
             "--max-concurrency", "4", "--timeout", "300", "--output-file", str(output), "--no-progress", "--json"]
     for name, url in arms.items():
         argv += ["--arm", f"{name}={url}"]
-    stdout = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(stdout):
-            code = main(argv)
-    except Exception as err:  # kept for the test to report; the fixture's other tests still run
-        return {"code": None, "rows": [], "summary": [], "stdout": f"{stdout.getvalue()}\n{err!r}"}
-    rows = [json.loads(line) for line in output.read_text().splitlines()] if output.exists() else []
-    return {"code": code, "rows": rows, "summary": json.loads(stdout.getvalue())["summary"] if code == 0 else [],
-            "stdout": stdout.getvalue()}
+    return _run(argv, output)
 
 
 def check_lm_eval_task(result: dict[str, Any], arm: str, baseline: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from oea.bench.serve.cli import add_server_nice
 from oea.bench.serve.engines import ENGINES
 from oea.console import float_between, int_at_least, seed_value
 
@@ -56,10 +57,7 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--python", help="restart mode: interpreter with the engine installed (default: this one)")
     p.add_argument("--health-timeout", type=float_between(0, low_open=True), default=900.0,
                    help="restart mode: longest wait for each server's /health (seconds)")
-    p.add_argument("--server-nice", type=int, metavar="N",
-                   help="restart mode: scheduling priority of each server and of this client, session autogroup "
-                        "included (-20..19; e.g. 19 to measure quality beside other work without slowing it; "
-                        "below 0 needs root)")
+    add_server_nice(p, "e.g. 19 to measure quality beside other work without slowing it")
     p.add_argument("--output-file", help="append the item and cell rows (JSON lines) as each cell ends")
     p.add_argument("--summarize", metavar="FILE", help="run nothing: the summary of an earlier run's --output-file")
     p.add_argument("--speed-file", metavar="FILE",

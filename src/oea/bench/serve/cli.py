@@ -79,10 +79,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="restart mode: start each server only once the 1-minute load average is <= L")
     p.add_argument("--load-wait", type=float, default=1800.0, metavar="S",
                    help="restart mode: longest wait for --max-load before starting anyway (seconds)")
-    p.add_argument("--server-nice", type=int, metavar="N",
-                   help="restart mode: scheduling priority of each server and of this client, session autogroup "
-                        "included (-20..19; e.g. -10 so that other jobs on a shared machine do not time the "
-                        "server; below 0 needs root)")
+    add_server_nice(p, "e.g. -10 so that other jobs on a shared machine do not time the server")
     p.add_argument("--python", help="restart mode: interpreter with the engine installed (default: this one)")
     p.add_argument("--health-timeout", type=float, default=900.0,
                    help="restart mode: longest wait for each server's /health (seconds)")
@@ -91,3 +88,10 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="restart mode: '--' then the server's arguments (vLLM's api_server or SGLang's launch_server)")
     p.set_defaults(handler=_bench_serve)
+
+
+def add_server_nice(p: argparse.ArgumentParser, example: str) -> None:
+    """``--server-nice N`` (restart mode), for ``bench serve`` and ``eval serve`` alike; ``example``: a use."""
+    p.add_argument("--server-nice", type=int, metavar="N",
+                   help=f"restart mode: scheduling priority of each server and of this client, session autogroup "
+                        f"included (-20..19; {example}; below 0 needs root)")
