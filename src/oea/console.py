@@ -280,3 +280,10 @@ def check_output_folder(path: str | os.PathLike[str], flag: str, empty: bool = F
         raise ValueError(f"{flag} {given}: {existing} is a file, not a folder")
     _probe_writable(existing, flag, given)
     return target
+
+
+def add_server_nice(p: argparse.ArgumentParser, example: str) -> None:
+    """``--server-nice N`` (restart mode), for ``bench serve`` and ``eval serve`` alike; ``example``: a use."""
+    p.add_argument("--server-nice", type=int, metavar="N",
+                   help=f"restart mode: scheduling priority of each server and of this client, session autogroup "
+                        f"included (-20..19; {example}; below 0 needs root)")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from oea.bench.serve.cli import add_server_nice
 from oea.bench.serve.engines import ENGINES
-from oea.console import float_between, int_at_least, seed_value
+from oea.console import add_server_nice, float_between, int_at_least, seed_value
 
 
 def _eval_serve(args: argparse.Namespace) -> int:

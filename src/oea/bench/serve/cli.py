@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from oea.bench.serve.engines import ENGINES
-from oea.console import seed_value
+from oea.console import add_server_nice, seed_value
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -89,9 +89,3 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                    help="restart mode: '--' then the server's arguments (vLLM's api_server or SGLang's launch_server)")
     p.set_defaults(handler=_bench_serve)
 
-
-def add_server_nice(p: argparse.ArgumentParser, example: str) -> None:
-    """``--server-nice N`` (restart mode), for ``bench serve`` and ``eval serve`` alike; ``example``: a use."""
-    p.add_argument("--server-nice", type=int, metavar="N",
-                   help=f"restart mode: scheduling priority of each server and of this client, session autogroup "
-                        f"included (-20..19; {example}; below 0 needs root)")
