@@ -138,30 +138,40 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "task / metric", "C", "round", "arm", "n (err, dropped)", "score", "Δ vs baseline", "p", "verdict",
+    "min. detectable Δ", "identical outputs", "1st diff. token", "steps rewritten / seen", "experts / stock")
+
+
+def summary_cells(r: dict[str, Any]) -> list[str]:
+    """One summary row as the text of ``SUMMARY_COLUMNS`` (95% intervals in brackets), for the terminal table and
+    the report's."""
+    from oea.console import format_interval, format_p_value
+
+    mdd = r["min_detectable_delta"]
+    return [
+        f"{r['task']} / {r['metric']}", str(r["max_concurrency"]), str(r["round"]), r["arm"],
+        f"{r['n_items']} ({r['errors']}, {r['dropped_items']})", format_interval(r["score"], r["score_ci"], 3),
+        "-" if r["delta"] is None else format_interval(r["delta"], r["delta_ci"], 3, signed=True),
+        format_p_value(r["p_value"]), r["verdict"], "-" if mdd is None else f"{mdd:.3f}",
+        "-" if r["agreement"] is None else format_interval(100 * r["agreement"], [100 * v for v in r["agreement_ci"]],
+                                                           0),
+        "-" if r["first_difference_token"] is None else f"{r['first_difference_token']:.1f}",
+        "-" if r["decode_steps"] is None else f"{r['rewritten_steps']} / {r['decode_steps']}",
+        "-" if r["active_experts_ratio"] is None else f"{r['active_experts_ratio']:.3f}"]
+
+
 def print_summary(summary: list[dict[str, Any]]) -> None:
     """The summary rows as a table (95% intervals in brackets)."""
     from rich.table import Table
 
-    from oea.console import format_interval, format_p_value, wide_console
+    from oea.console import wide_console
 
     table = Table(title="oea eval serve: each arm vs the baseline, paired per item")
-    for name in ("task / metric", "C", "round", "arm", "n (err, dropped)", "score", "Δ vs baseline", "p",
-                 "verdict", "min. detectable Δ", "identical outputs", "1st diff. token", "steps rewritten / seen",
-                 "experts / stock"):
+    for name in SUMMARY_COLUMNS:
         table.add_column(name, justify="left" if name in ("task / metric", "arm", "verdict") else "right")
     for r in summary:
-        steps = "-" if r["decode_steps"] is None else f"{r['rewritten_steps']} / {r['decode_steps']}"
-        mdd = r["min_detectable_delta"]
-        table.add_row(
-            f"{r['task']} / {r['metric']}", str(r["max_concurrency"]), str(r["round"]), r["arm"],
-            f"{r['n_items']} ({r['errors']}, {r['dropped_items']})",
-            format_interval(r["score"], r["score_ci"], 3),
-            "-" if r["delta"] is None else format_interval(r["delta"], r["delta_ci"], 3, signed=True),
-            format_p_value(r["p_value"]), r["verdict"], "-" if mdd is None else f"{mdd:.3f}",
-            "-" if r["agreement"] is None else format_interval(100 * r["agreement"],
-                                                               [100 * v for v in r["agreement_ci"]], 0),
-            "-" if r["first_difference_token"] is None else f"{r['first_difference_token']:.1f}", steps,
-            "-" if r["active_experts_ratio"] is None else f"{r['active_experts_ratio']:.3f}")
+        table.add_row(*summary_cells(r))
     console = wide_console()
     console.print(table)
     console.print("[...] = 95% interval. Δ: arm - baseline, paired over the items every arm answered (n). p: exact "

@@ -15,10 +15,11 @@ from typing import Any
 
 
 def pay_rows(speed_rows: Sequence[dict[str, Any]], quality: Sequence[dict[str, Any]], metric: str | None = None,
-             baseline: str | None = None) -> list[dict[str, Any]]:
+             baseline: str | None = None, flag: str = "--speed-file") -> list[dict[str, Any]]:
     """One row per (arm, max_concurrency) found in both, baseline left out: ``tpot_ratio`` / ``tpot_ratio_ci``
     beside ``delta`` / ``delta_ci`` / ``verdict`` of ``metric`` (default: the first metric of the quality rows);
-    ``ValueError`` naming ``--speed-file`` when the two runs share no (arm, concurrency)."""
+    ``ValueError`` naming ``flag`` (the option that gave the speed rows) when the two runs share no (arm,
+    concurrency)."""
     from oea.bench.serve.summary import ab_summary
 
     speed = {(e["arm"], int(e["max_concurrency"])): e for e in ab_summary(speed_rows, baseline=baseline)}
@@ -40,7 +41,7 @@ def pay_rows(speed_rows: Sequence[dict[str, Any]], quality: Sequence[dict[str, A
                     "speed_rounds": s["rounds"], "delta": q["delta"], "delta_ci": q["delta_ci"],
                     "verdict": q["verdict"], "n_items": q["n_items"]})
     if not out:
-        raise ValueError("--speed-file: its bench serve rows share no (arm, max_concurrency) with the quality rows "
+        raise ValueError(f"{flag}: its bench serve rows share no (arm, max_concurrency) with the quality rows "
                          "(use the same arm names, baseline and concurrencies in both runs)")
     return out
 

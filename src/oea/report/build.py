@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     from oea.report.sections.served import load_served
 
     out = pathlib.Path(args.out)
-    check_output_folder(out)  # before any work, as the served rows are
+    check_output_folder(out)  # before any work, as are the served rows' files (next)
     served = load_served(args.served_quality, args.served_speed)
     torch.set_num_threads(args.threads)
     ctx = build_report(out, quick=args.quick, seed=args.seed, served=served)

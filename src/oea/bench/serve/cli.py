@@ -88,4 +88,3 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="restart mode: '--' then the server's arguments (vLLM's api_server or SGLang's launch_server)")
     p.set_defaults(handler=_bench_serve)
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from oea.console import format_interval, format_p_value
+from oea.console import format_interval
 from oea.report.context import ReportContext, md_table
 
 
@@ -33,16 +33,15 @@ def load_served(quality: Path | None, speed: Path | None) -> dict[str, Any] | No
         from oea.eval.serve_pay import pay_rows
 
         speed_rows = read_rows(str(speed), "--served-speed", ("arm", "max_concurrency", "round", "median_tpot_ms"))
-        try:
-            pay = pay_rows(speed_rows, summary)
-        except ValueError as err:
-            raise ValueError(str(err).replace("--speed-file", "--served-speed", 1)) from None
+        pay = pay_rows(speed_rows, summary, flag="--served-speed")
     return {"quality_file": str(quality), "speed_file": None if speed is None else str(speed), "summary": summary,
             "pay": pay}
 
 
 def section_served(ctx: ReportContext) -> str:
     """The served-system section, or "" (no section) when the report was not given a quality run."""
+    from oea.eval.serve_main import SUMMARY_COLUMNS, summary_cells
+
     served = ctx.served
     if served is None:
         return ""
@@ -57,9 +56,7 @@ def section_served(ctx: ReportContext) -> str:
         f"the run detects (80% power) stands beside every verdict. An arm whose OEA metrics show no rewritten "
         f"decode step is not a test of OEA, whatever its score.",
         "",
-        md_table(["task / metric", "C", "round", "arm", "n (errors, dropped)", "score", "Δ vs baseline", "p",
-                  "verdict", "min. detectable Δ", "identical outputs", "steps rewritten / seen", "experts / stock"],
-                 [_summary_cells(r) for r in summary]),
+        md_table(SUMMARY_COLUMNS, [summary_cells(r) for r in summary]),
         "",
     ]
     pay = served["pay"]
@@ -82,14 +79,3 @@ def section_served(ctx: ReportContext) -> str:
         ]
     return "\n".join(lines)
 
-
-def _summary_cells(r: dict[str, Any]) -> list[Any]:
-    mdd = r["min_detectable_delta"]
-    return [f"{r['task']} / {r['metric']}", r["max_concurrency"], r["round"], r["arm"],
-            f"{r['n_items']} ({r['errors']}, {r['dropped_items']})", format_interval(r["score"], r["score_ci"], 3),
-            "–" if r["delta"] is None else format_interval(r["delta"], r["delta_ci"], 3, signed=True),
-            format_p_value(r["p_value"]), r["verdict"], "–" if mdd is None else f"{mdd:.3f}",
-            "–" if r["agreement"] is None else format_interval(100 * r["agreement"],
-                                                               [100 * v for v in r["agreement_ci"]], 0) + "%",
-            "–" if r["decode_steps"] is None else f"{r['rewritten_steps']} / {r['decode_steps']}",
-            "–" if r["active_experts_ratio"] is None else f"{r['active_experts_ratio']:.3f}"]
