@@ -96,3 +96,17 @@ def test_bad_served_files_are_refused_before_any_work(runs: tuple[Path, Path], t
         err = capsys.readouterr().err
         assert err.startswith("oea report: error: ") and message in err, (flags, err)
         assert not (out / "report.md").exists()
+
+
+def test_a_speed_run_of_one_round_gives_a_ratio_without_interval_and_a_plot(runs: tuple[Path, Path],
+                                                                           tmp_path: Path) -> None:
+    """bench serve gives a ratio resting on one round no interval; the pay rows keep it null and the plot draws
+    the point without a speed error bar."""
+    quality, _ = runs
+    speed = tmp_path / "one-round.jsonl"
+    speed.write_text("".join(json.dumps(_speed_row(arm, 0, tpot)) + "\n" for arm, tpot in (("off", 10.0), ("k3", 8.0))))
+    ctx = _context(tmp_path, load_served(quality, speed))
+    text = section_served(ctx)
+    pay = ctx.results["served"]["pay"]
+    assert pay[0]["tpot_ratio"] == pytest.approx(0.8) and pay[0]["tpot_ratio_ci"] is None
+    assert (tmp_path / "served_pay.png").stat().st_size > 0 and "| k3 | 4 | 0.800 (n=1) | 1 |" in text

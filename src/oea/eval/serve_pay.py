@@ -48,7 +48,7 @@ def pay_rows(speed_rows: Sequence[dict[str, Any]], quality: Sequence[dict[str, A
 
 def plot_pay(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """PNG: speed gain (1 - TPOT ratio, %) against quality change (``delta``, points), one point per arm and
-    concurrency, error bars both ways (their 95% intervals)."""
+    concurrency, error bars both ways (their 95% intervals; none where a figure has no interval)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,11 +58,15 @@ def plot_pay(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") 
     for index, arm in enumerate(dict.fromkeys(r["arm"] for r in rows)):
         for r in (r for r in rows if r["arm"] == arm):
             gain = 100 * (1 - r["tpot_ratio"])
-            gain_ci = sorted(100 * (1 - v) for v in r["tpot_ratio_ci"])
             delta = 100 * r["delta"]
-            delta_ci = [100 * v for v in r["delta_ci"]]
-            ax.errorbar(delta, gain, xerr=[[delta - delta_ci[0]], [delta_ci[1] - delta]],
-                        yerr=[[gain - gain_ci[0]], [gain_ci[1] - gain]], marker="o", capsize=3,
+            yerr = xerr = None  # a speed run with fewer than two common rounds has no interval (bench serve's rule)
+            if r["tpot_ratio_ci"] is not None:
+                gain_ci = sorted(100 * (1 - v) for v in r["tpot_ratio_ci"])
+                yerr = [[gain - gain_ci[0]], [gain_ci[1] - gain]]
+            if r["delta_ci"] is not None:
+                delta_ci = [100 * v for v in r["delta_ci"]]
+                xerr = [[delta - delta_ci[0]], [delta_ci[1] - delta]]
+            ax.errorbar(delta, gain, xerr=xerr, yerr=yerr, marker="o", capsize=3,
                         color=f"C{index % 10}", label=arm if r is next(x for x in rows if x["arm"] == arm) else None)
             ax.annotate(f"c={r['max_concurrency']}", (delta, gain), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
