@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, open_recorder
+from oea.integrations.recording.recorder import StepStaging, open_recorder
 from oea.routing import RouterSpec
 from oea.stats import ratio_of_medians_interval
 

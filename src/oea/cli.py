@@ -21,7 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "oea.traces.cli",
     "oea.sim.cli",
     "oea.report.cli",
-    "oea.integrations.doctor_cli",
+    "oea.integrations.doctor.cli",
     "oea.eval.cli",
     "oea.bench.layer.cli",
     "oea.tuning.cli",

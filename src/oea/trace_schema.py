@@ -1,5 +1,5 @@
 """The ``oea-trace`` format's names, in one place: what ``oea.traces`` reads and writes and what the engines'
-recorder (``oea.integrations.trace_file``) writes while serving.
+recorder (``oea.integrations.recording.trace_file``) writes while serving.
 
 Shape legend: T = recorded tokens, L = MoE layers, N = routed experts, k = the model's top-k.
 

@@ -422,6 +422,7 @@ def test_the_per_batch_size_rule_is_read_in_the_core_only():
 
 
 @pytest.mark.parametrize("package", ["oea.integrations", "oea.integrations.vllm", "oea.integrations.sglang",
+                                     "oea.integrations.doctor", "oea.integrations.recording",
                                      "oea.integrations.transformers", "oea.launch"])
 def test_each_adapter_package_docstring_lists_its_modules(package):
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""

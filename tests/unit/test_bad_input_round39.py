@@ -13,7 +13,7 @@ import torch
 import oea
 from oea.config import settings_from_env
 from oea.config.unknown import forget_warned, warn_unknown_variables
-from oea.integrations.doctor_env import check_environment
+from oea.integrations.doctor.env import check_environment
 
 HUGE = 2**63
 

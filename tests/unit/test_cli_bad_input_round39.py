@@ -159,7 +159,7 @@ def test_load_and_layer_file_readers_call_a_directory_a_directory(tmp_path: path
 
 
 def test_doctor_names_a_directory_a_file_for_a_folder_and_a_cut_metrics_file(tmp_path: pathlib.Path) -> None:
-    from oea.integrations.doctor_env import check_environment
+    from oea.integrations.doctor.env import check_environment
     from oea.integrations.served import served_checks
 
     (tmp_path / "afile").write_text("x")

@@ -156,7 +156,7 @@ def test_unknown_policy_is_refused_naming_the_allowed_values(raw: str) -> None:
 
 
 def test_environment_check_reports_the_policy() -> None:
-    from oea.integrations.doctor_env import check_environment
+    from oea.integrations.doctor.env import check_environment
 
     checks = {c.name: c for c in check_environment({"OEA_K0": "3", "OEA_POLICY": "ep"})}
     assert checks["OEA_POLICY"].ok and checks["OEA_POLICY"].detail == "policy = ep"

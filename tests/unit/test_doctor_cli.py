@@ -19,7 +19,7 @@ import pytest
 from hang_guard import CHILD_TIMEOUT_S
 
 from oea.cli import main
-from oea.integrations import doctor
+from oea.integrations.doctor import run as doctor
 
 
 @pytest.fixture(autouse=True)
@@ -254,7 +254,7 @@ def test_the_doctor_and_the_engines_read_the_environment_alike(monkeypatch: pyte
     """Every environment the doctor passes, settings_from_env (what every engine reads) accepts, and the reverse
     for the variables it parses."""
     from oea.config import settings_from_env
-    from oea.integrations.doctor_env import check_environment
+    from oea.integrations.doctor.env import check_environment
 
     good = _layer_file(tmp_path)
     for env in ({"OEA_K0": "2"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "2"}, {"OEA_K0": "2", "SGLANG_OEA_K0": "3"},

@@ -18,12 +18,12 @@ import torch
 from vllm_stand_ins import CPURouter, fresh_state, install_vllm, scheduler_output
 
 import oea.integrations.metrics as plugin_metrics
-import oea.integrations.recorder as recorder_module
+import oea.integrations.recording.recorder as recorder_module
 import oea.integrations.vllm.routing as plugin_routing
 import oea.integrations.vllm.steps as plugin_steps
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, open_recorder
-from oea.integrations.trace_file import Column, TraceFileWriter
+from oea.integrations.recording.recorder import StepStaging, open_recorder
+from oea.integrations.recording.trace_file import Column, TraceFileWriter
 from oea.integrations.vllm.router_state import router_states
 from oea.routing import RouterSpec
 from oea.traces import load_trace

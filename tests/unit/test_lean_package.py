@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 # What pip installs for the plugins, the doctor and ``oea serve``: the engines' entry points (pyproject.toml), the
 # ``oea`` facade, and the two command lines.
-LEAN_ROOTS = ("oea", "oea.integrations.vllm", "oea.integrations.sglang", "oea.integrations.doctor_cli",
+LEAN_ROOTS = ("oea", "oea.integrations.vllm", "oea.integrations.sglang", "oea.integrations.doctor.cli",
               "oea.launch.cli")
 # Lab modules the lean closure reaches only inside functions that the lean commands do not call, each with why.
 LAB_ON_USE: dict[tuple[str, str], str] = {

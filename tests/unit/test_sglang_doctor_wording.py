@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oea.integrations import doctor as doctor_report
+from oea.integrations.doctor import run as doctor_report
 from oea.integrations.sglang import doctor
 from oea.integrations.sglang.targets import SELECT_EXPERTS_TARGET, TOPK_MODULE
 

@@ -31,7 +31,7 @@ import oea.integrations.sglang.plugin as plugin_entry
 import oea.integrations.sglang.recording as sglang_recording
 from oea.integrations import sglang as plugin
 from oea.integrations.metrics import MetricsWriter
-from oea.integrations.recorder import TraceRecorder
+from oea.integrations.recording.recorder import TraceRecorder
 
 REAL_HOOK_PLAN = plugin.hook_plan
 EXPERTS = 64

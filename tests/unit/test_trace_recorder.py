@@ -18,10 +18,10 @@ import torch
 from hang_guard import CHILD_TIMEOUT_S
 
 import oea
-import oea.integrations.recorder as recorder_module
+import oea.integrations.recording.recorder as recorder_module
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
-from oea.integrations.trace_file import Column, TraceFileWriter
+from oea.integrations.recording.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
+from oea.integrations.recording.trace_file import Column, TraceFileWriter
 from oea.routing import RouterSpec
 from oea.sim import make_batches, simulate
 from oea.traces import load_trace
@@ -377,7 +377,7 @@ KILLED_WORKER = """
 import logging, os, signal, sys, time
 import torch
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, open_recorder
+from oea.integrations.recording.recorder import StepStaging, open_recorder
 from oea.routing import RouterSpec
 
 path, n, k, layers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

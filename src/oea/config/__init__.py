@@ -5,7 +5,7 @@ doctor's checks and docs/configuration.md derive from it), ``settings`` (what th
 ``settings_from_env``, ``trace_settings_from_env``, ...), ``unknown`` (the warning about ``OEA_*`` names OEA
 does not read: ``warn_unknown_variables``), ``layer_file`` (the per-layer k0 file, and every layer's routing
 config from the environment: ``layer_configs``). The doctor's check of the environment lives beside the doctors
-(``oea.integrations.doctor_env``).
+(``oea.integrations.doctor.env``).
 """
 
 from oea.config.layer_file import (

@@ -1,5 +1,5 @@
 """Every ``OEA_*`` variable in one table: its name, alias, parser and help. The settings
-(``oea.config.settings``), the doctor's check of the environment (``oea.integrations.doctor_env``) and the
+(``oea.config.settings``), the doctor's check of the environment (``oea.integrations.doctor.env``) and the
 table in docs/configuration.md (``markdown_table``, kept equal by a test) are all derived from it.
 
 A parser takes the raw value (stripped, never empty: blank means unset, which the adapters and the doctor

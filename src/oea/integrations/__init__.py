@@ -3,18 +3,19 @@
 * ``oea.integrations.transformers``: ``attach`` / ``maybe_attach`` for Hugging Face transformers 5.x.
 * ``oea.integrations.vllm``: the vLLM general plugin (entry point ``oea.integrations.vllm:register``).
 * ``oea.integrations.sglang``: the SGLang plugin (entry point ``oea.integrations.sglang:register``).
-* ``oea.integrations.doctor``: ``oea doctor`` (``doctor_cli``: its command; ``doctor_common``: the check
-  helpers every engine's doctor uses; ``doctor_env``: the check of the ``OEA_*`` environment; ``oea doctor
-  gpu`` is ``oea.kernels.doctor_gpu``, beside the kernels it checks; ``served``: what a server's
-  ``OEA_METRICS_FILE`` says, ``oea doctor --metrics-file``).
+* ``oea.integrations.doctor``: ``oea doctor``, engine-independent (``run``: runs the checks and prints the
+  report; ``cli``: its command; ``common``: the check helpers every engine's doctor uses; ``env``: the check of
+  the ``OEA_*`` environment; ``oea doctor gpu`` is ``oea.kernels.doctor_gpu``, beside the kernels it checks).
 
 Engine-free modules every adapter uses, so that no rule is written twice:
 
 * ``runtime``: warn-once, graph-capture detection, the process rank, method wrapping;
 * ``placement``: expert placements read from an engine (``OEA_POLICY=ep``), refreshed after a rebalance;
 * ``metrics``: the ``OEA_METRICS_FILE`` rows (``StepRecord``, ``MetricsWriter``);
-* ``recorder`` and ``trace_file``: ``OEA_TRACE_FILE``'s recorder and the file it writes (the format's names:
-  ``oea.trace_schema``); ``recording_common``: what the engines' recording modules share around it;
+* ``oea.integrations.recording``: ``OEA_TRACE_FILE``'s recorder (``recorder``), the file it writes
+  (``trace_file``; the format's names: ``oea.trace_schema``) and what the engines' recording modules share
+  around it (``common``);
+* ``served``: what a server's ``OEA_METRICS_FILE`` says (``oea doctor --metrics-file``);
 * ``hook_targets``: how each plugin declares the engine names it relies on (``vllm/targets.py``,
   ``sglang/targets.py``), checked against the released wheels.
 """

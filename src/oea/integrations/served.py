@@ -20,7 +20,7 @@ import json
 import pathlib
 from typing import Any
 
-from oea.integrations.doctor_common import Check, check
+from oea.integrations.doctor.common import Check, check
 from oea.stats import mean_interval
 
 REQUIRED_FIELDS: tuple[str, ...] = ("decode", "oea", "rows", "active")

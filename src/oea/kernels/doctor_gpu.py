@@ -18,7 +18,7 @@ calls go through a ``Device`` (``CUDA``: ``torch.cuda``); the tests replace it w
 
 It sits beside the kernels it checks and imports only them and ``oea.routing``; the check record (``Check``,
 ``check``) and ``installed_version`` are defined here, the lowest layer that reports checks, and the engine
-doctors take them from here (``oea.integrations.doctor_common``).
+doctors take them from here (``oea.integrations.doctor.common``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ One job per file:
 * ``fillers.py``: the zero-weight filler slots of a rewritten row made distinct ids SGLang's native MoE can run;
 * ``padding.py``: which rows of a CUDA/CPU graph's padded batch are real;
 * ``placement.py``: ``OEA_POLICY=ep``, each layer's expert placement from SGLang's EP layout;
-* ``recording.py``: ``OEA_TRACE_FILE``, the SGLang side of ``oea.integrations.recorder``;
+* ``recording.py``: ``OEA_TRACE_FILE``, the SGLang side of ``oea.integrations.recording.recorder``;
 * ``metrics.py``: ``OEA_METRICS_FILE`` (and ``OEA_TIMING``), the SGLang side of ``oea.integrations.metrics``: one
   row per forward, as vLLM's;
 * ``specs.py``: SGLang's ``TopKConfig`` -> ``RouterSpec`` (or why not);

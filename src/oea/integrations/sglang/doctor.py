@@ -18,7 +18,7 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_configs
 from oea.config.settings import all_settings_from_env
-from oea.integrations.doctor_common import check, check_call, entry_point_checks, version_tuple
+from oea.integrations.doctor.common import check, check_call, entry_point_checks, version_tuple
 from oea.integrations.sglang.hooks import (
     decode_detection,
     hook_plan,

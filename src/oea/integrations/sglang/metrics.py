@@ -32,7 +32,7 @@ import torch
 import oea.integrations.sglang.padding as padding
 from oea.config import EnvSettings, metrics_flush_interval
 from oea.integrations.metrics import MetricsWriter, StepRecord, routed_hash
-from oea.integrations.recorder import trace_path_problem
+from oea.integrations.recording.recorder import trace_path_problem
 from oea.integrations.runtime import tracing
 from oea.integrations.sglang.specs import shared_topk_slots
 from oea.integrations.sglang.state import log, mode_rerouted, warn_once

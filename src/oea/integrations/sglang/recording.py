@@ -1,5 +1,5 @@
 """Recording decode forwards to an ``oea-trace`` while SGLang serves (``OEA_TRACE_FILE``): the thin SGLang
-side of ``oea.integrations.recorder``.
+side of ``oea.integrations.recording.recorder``.
 
 * ``configure`` (``register``/``install``): the settings, and a warning at start-up (recording off) when
   the file cannot be written;
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
-from oea.integrations.recording_common import recording_meta, writable_settings
+from oea.integrations.recording.common import recording_meta, writable_settings
+from oea.integrations.recording.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
 from oea.integrations.runtime import graph_capturing, process_rank
 from oea.integrations.sglang.state import STATE, decode_or_verify, log, warn_once
 from oea.routing import RouterSpec

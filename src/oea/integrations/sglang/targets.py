@@ -9,7 +9,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from oea.integrations.doctor_common import installed_version
+from oea.integrations.doctor.common import installed_version
 
 SUPPORTED_VERSIONS = "0.5.12 to 0.5.23 (plugin); older: python -m oea.launch.sglang"
 TESTED_VERSION = "0.5.23"

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from oea.integrations.doctor_common import check_call
+from oea.integrations.doctor.common import check_call
 from oea.integrations.transformers.attach import attach, describe_environment
 from oea.routing import OEAConfig
 

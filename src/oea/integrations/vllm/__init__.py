@@ -23,7 +23,7 @@ One job per file:
   ``OEA_LAYER_K0_FILE``);
 * ``placement.py``: ``OEA_POLICY=ep``, each layer's expert placement from vLLM's EP layout;
 * ``parallel.py``: data-parallel ranks whose router logits vLLM gathers (those layers stay stock);
-* ``recording.py``: ``OEA_TRACE_FILE``, the vLLM side of ``oea.integrations.recorder``;
+* ``recording.py``: ``OEA_TRACE_FILE``, the vLLM side of ``oea.integrations.recording.recorder``;
 * ``speculative.py``: speculative verify steps (``OEA_APPLY_TO_VERIFY``): the drafts each request carried;
 * ``targets.py``: the vLLM names and parameters the plugin relies on (checked against the released wheels);
 * ``router_state.py``: one ``RouterState`` per numbered router, on the router (spec, layer-file entry, EP-aware

@@ -11,7 +11,7 @@ import torch
 
 from oea.config import layer_configs
 from oea.config.settings import all_settings_from_env
-from oea.integrations.doctor_common import check, check_call, entry_point_checks, installed_version
+from oea.integrations.doctor.common import check, check_call, entry_point_checks, installed_version
 from oea.integrations.vllm.placement import doctor_placement
 from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
 from oea.integrations.vllm.state import STATE

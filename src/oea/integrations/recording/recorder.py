@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from oea.config import TraceSettings
-from oea.integrations.trace_file import Column, TraceFileWriter
+from oea.integrations.recording.trace_file import Column, TraceFileWriter
 from oea.routing import RouterSpec, route, router_scores
 
 QUEUE_STEPS = 1024  # most steps waiting for the writer before new ones are dropped ...

@@ -2,7 +2,7 @@
 installed versions and the entry-point checks (the self-tests compare routings with
 ``oea.routing.same_routing``).
 
-A check is ``{"name": str, "ok": bool, "detail": str}``; ``oea.integrations.doctor`` collects them per
+A check is ``{"name": str, "ok": bool, "detail": str}``; ``oea.integrations.doctor.run`` collects them per
 engine and prints the report.
 """
 

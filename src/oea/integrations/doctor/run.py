@@ -15,7 +15,7 @@ The report (``--json``)::
 
 An engine that is not installed is reported as such: for ``all`` that is not a failure, for a
 named engine it is (with the install hint). ``environment`` checks every ``OEA_*`` variable that can be
-checked without a model (``oea.integrations.doctor_env.check_environment``); a broken one fails the report.
+checked without a model (``oea.integrations.doctor.env.check_environment``); a broken one fails the report.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from oea.integrations.doctor_common import Check, check, check_call
+from oea.integrations.doctor.common import Check, check, check_call
 
 ENGINES: tuple[str, ...] = ("sglang", "vllm", "transformers")
 INSTALL_HINTS: dict[str, str] = {
@@ -94,9 +94,9 @@ def _validated(found: Any) -> list[Check]:
 
 
 def environment_report() -> dict[str, Any]:
-    """Every ``OEA_*`` variable of this process checked without a model (``doctor_env.check_environment``):
+    """Every ``OEA_*`` variable of this process checked without a model (``env.check_environment``):
     ``{"ok", "checks": [{"name", "ok", "detail"}]}``."""
-    from oea.integrations.doctor_env import check_environment
+    from oea.integrations.doctor.env import check_environment
 
     checks = [check(found.name, found.ok, found.detail) for found in check_environment()]
     return {"ok": all(c["ok"] for c in checks), "checks": checks}
