@@ -20,6 +20,7 @@ import pytest
 import torch
 from fake_servers import QuietHandler, serving
 
+from oea.routing import RouterSpec
 from oea.soak import client as soak_client
 from oea.soak import session
 from oea.soak.checks import across_arms, arm_checks, memory_bound_mib, off_arm, trace_checks
@@ -29,6 +30,7 @@ from oea.soak.monitor import ServerInfo, SoakError
 from oea.soak.runner import SoakConfig
 from oea.soak.servers import Arm
 from oea.soak.session import check_outputs, trace_numbered
+from oea.traces import Trace
 
 
 def _report(**changes: Any) -> dict[str, Any]:
@@ -175,16 +177,28 @@ def test_sglang_metrics_rows_are_numbered_per_process_and_rank() -> None:
     assert numbered == [(1, 0, 1), (2, 0, 1), (1, 1, 1), (1, 0, 2), (2, 0, 2), (1, 1, 2)]
 
 
-def _fake_trace(monkeypatch: pytest.MonkeyPatch, steps: list[int], dropped: int, replayed: float) -> None:
-    """``load_trace`` gives a trace of ``steps`` (one token each) whose sidecar says ``dropped``; the lockstep
-    replay gives ``replayed`` mean active experts with OEA and the metrics' 6.0 with stock routing."""
-    trace = types.SimpleNamespace(step_ids=torch.tensor(steps), num_tokens=len(steps), meta={
+def _trace(steps: list[int], dropped: int = 0) -> Trace:
+    """A recorded trace of ``steps`` (one token per entry: a step's width is how often it appears; 2 MoE layers,
+    16 experts, top-4) whose sidecar says ``dropped``."""
+    logits = torch.randn(len(steps), 2, 16, generator=torch.Generator().manual_seed(0))
+    return Trace(spec=RouterSpec(16, 4), logits=logits, step_ids=torch.tensor(steps), meta={
         "steps_recorded": len(set(steps)), "stopped": None, "steps_dropped": dropped, "queue_peak_steps": 1,
         "queue_bound_steps": 8})
-    monkeypatch.setattr("oea.traces.load_trace", lambda _path: trace)
+
+
+def _fake_trace(monkeypatch: pytest.MonkeyPatch, steps: list[int], dropped: int, replayed: float) -> list[Any]:
+    """``load_trace`` gives ``_trace(steps, dropped)``; the lockstep replay gives ``replayed`` mean active experts
+    with OEA and the metrics' 6.0 with stock routing. Returns the list each replay's (trace, batch sizes) joins."""
+    monkeypatch.setattr("oea.traces.load_trace", lambda _path: _trace(steps, dropped))
     module = importlib.import_module("oea.sim.simulate")  # the package exports a function of the same name
-    monkeypatch.setattr(module, "simulate", lambda _trace, policies, **_: [
-        {"policy": p, "mean_active_experts": replayed if p == "oea" else 6.0} for p in policies])
+    replays: list[Any] = []
+
+    def simulate(trace: Trace, policies: tuple[str, ...], batch_sizes: tuple[int, ...], **_: Any) -> list[Any]:
+        replays.append((trace, batch_sizes))
+        return [{"policy": p, "mean_active_experts": replayed if p == "oea" else 6.0} for p in policies]
+
+    monkeypatch.setattr(module, "simulate", simulate)
+    return replays
 
 
 _ROWS = [{"step": s, "decode": True, "rows": 1, "active": [4.0], "active_stock": [6.0]} for s in (1, 2, 3)]
@@ -210,6 +224,45 @@ def test_the_lockstep_replay_check_is_two_sided(monkeypatch: pytest.MonkeyPatch,
     _fake_trace(monkeypatch, [1, 2, 3], 0, replayed)
     replay = next(c for c in trace_checks("a", "t.safetensors", _ROWS, k0=3) if "lockstep" in c.name)
     assert replay.held is held, replay.detail
+
+
+def _width_rows(steps: list[int], active: float = 4.0, stock: float = 6.0) -> list[dict[str, Any]]:
+    return [{"step": s, "decode": True, "rows": steps.count(s), "active": [active], "active_stock": [stock]}
+            for s in sorted(set(steps))]
+
+
+def test_the_replay_takes_the_widest_width_recorded_twice_and_only_its_steps(monkeypatch: pytest.MonkeyPatch
+                                                                             ) -> None:
+    """How many requests met in one step depends on timing: the one 4-row step cannot give an interval, so the
+    replay is at 3 rows, over the two 3-row steps alone (never 3 rows drawn from the 4-row step)."""
+    steps = [1] * 4 + [2] * 3 + [3] * 3 + [4] * 2
+    replays = _fake_trace(monkeypatch, steps, 0, 4.0)
+    replay = next(c for c in trace_checks("a", "t.safetensors", _width_rows(steps), k0=3) if "lockstep" in c.name)
+    assert replay.held and replay.detail.startswith("B = 3 (2 steps)"), replay.detail
+    (trace, sizes), = replays
+    assert sizes == (3,) and trace.step_ids.tolist() == [2] * 3 + [3] * 3
+    assert torch.equal(trace.logits, _trace(steps).logits[4:10])
+
+
+def test_no_width_recorded_twice_fails_the_replay_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = [1] * 3 + [2] * 2 + [3]
+    replays = _fake_trace(monkeypatch, steps, 0, 4.0)
+    replay = next(c for c in trace_checks("a", "t.safetensors", _width_rows(steps), k0=3) if "lockstep" in c.name)
+    assert not replay.held and "no step width was recorded twice" in replay.detail and not replays
+
+
+def test_a_unique_widest_step_replays_through_the_real_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real ``simulate`` over a trace whose widest step is recorded once (it refuses that width, one distinct
+    batch): the check replays the two 3-row steps and matches their stock routing exactly."""
+    steps = [1] * 4 + [2] * 3 + [3] * 3
+    trace = _trace(steps)
+    monkeypatch.setattr("oea.traces.load_trace", lambda _path: trace)
+    ids = trace.logits.topk(4, dim=-1).indices  # [T, L, k] stock top-4
+    stock = {s: [float(ids[trace.step_ids == s][:, layer].unique().numel()) for layer in range(2)] for s in (2, 3)}
+    rows = [{"step": s, "decode": True, "rows": steps.count(s), "active": stock.get(s, [0.0, 0.0])}
+            for s in (1, 2, 3)]
+    replay = next(c for c in trace_checks("a", "t.safetensors", rows, k0=None) if "lockstep" in c.name)
+    assert replay.held and replay.detail.startswith("B = 3 (2 steps): vanilla"), replay.detail
 
 
 def test_soak_json_never_overwrites_an_arms_trace_sidecar(tmp_path: Path) -> None:

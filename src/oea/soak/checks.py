@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +222,8 @@ def trace_checks(name: str, trace_path: str | Path, rows: Sequence[Mapping[str, 
                  ) -> list[Check]:
     """The trace validates (``oea.traces.load_trace``), records exactly the metrics' decode steps with their
     real rows, dropped none, kept its writer queue within the bound, and ``oea simulate --mode lockstep``
-    gives the metrics' active experts (stock and, with ``k0``, OEA's) over the widest recorded steps."""
+    gives the metrics' active experts (stock and, with ``k0``, OEA's) over the widest steps recorded at least
+    twice."""
     from oea.traces import load_trace
 
     try:
@@ -249,28 +251,51 @@ def trace_checks(name: str, trace_path: str | Path, rows: Sequence[Mapping[str, 
     return checks
 
 
+def _steps_of_width(trace: Any, width: int) -> Any:
+    """``trace`` with only the tokens of the steps that decoded exactly ``width`` rows: lockstep batches of
+    ``width`` rows are then those steps, never ``width`` rows drawn from a wider step."""
+    import torch
+
+    from oea.traces import Trace
+
+    steps, counts = torch.unique(trace.step_ids, return_counts=True)
+    keep = torch.isin(trace.step_ids, steps[counts == width])  # [T] bool
+    per_token = ("logits", "ids", "scores", "request_ids", "positions", "step_ids")
+    return Trace(spec=trace.spec, correction_bias=trace.correction_bias, meta=dict(trace.meta),
+                 **{name: None if getattr(trace, name) is None else getattr(trace, name)[keep] for name in per_token})
+
+
 def _replay(name: str, trace: Any, decode: Mapping[int, Mapping[str, Any]], k0: int | None) -> Check:
-    """``oea simulate --mode lockstep`` at the widest recorded step size, against the metrics of those steps."""
+    """``oea simulate --mode lockstep`` at the widest step size recorded at least twice, against the metrics of
+    those steps. A lockstep batch of a step's whole width is that step, and an interval needs two batches: a width
+    the engine batched once (how many requests met in one step depends on the machine's timing) cannot be
+    replayed, so the check steps down to the widest width it can."""
     from oea.sim.simulate import simulate
 
+    check_name = f"{name}: oea simulate --mode lockstep replays the trace"
     sizes: dict[int, int] = {}
     for step in trace.step_ids.tolist():
         sizes[step] = sizes.get(step, 0) + 1
-    widest = max(sizes.values())
+    steps_of_width = Counter(sizes.values())
+    replayable = [width for width, count in steps_of_width.items() if count >= 2]
+    if not replayable:
+        return Check(check_name, False, f"no step width was recorded twice (an interval needs two lockstep batches); "
+                                   f"steps per width: {dict(sorted(steps_of_width.items()))}")
+    widest = max(replayable)
     steps = [decode[s] for s, n in sizes.items() if n == widest and s in decode]
     policies = ("vanilla", "oea") if k0 is not None else ("vanilla",)
     try:
-        rows = simulate(trace, policies=policies, k0s=(k0 or 1,), batch_sizes=(widest,), mode="lockstep",
-                        num_batches=max(200, 20 * len(steps)))
+        rows = simulate(_steps_of_width(trace, widest), policies=policies, k0s=(k0 or 1,), batch_sizes=(widest,),
+                        mode="lockstep", num_batches=max(200, 20 * len(steps)))
     except ValueError as err:
-        return Check(f"{name}: oea simulate --mode lockstep replays the trace", False, str(err)[:300])
+        return Check(check_name, False, str(err)[:300])
     want = {"vanilla": _mean(steps, "active_stock" if k0 is not None else "active"), "oea": _mean(steps, "active")}
     gaps = {r["policy"]: r["mean_active_experts"] / want[r["policy"]] - 1 for r in rows}
     held = bool(steps) and all(abs(g) <= REPLAY_TOLERANCE for g in gaps.values())
     detail = f"B = {widest} ({len(steps)} steps): " + ", ".join(
         f"{p} T {r['mean_active_experts']:.2f} vs the engine's {want[p]:.2f} ({gaps[p]:+.2%})"
         for p, r in ((r["policy"], r) for r in rows))
-    return Check(f"{name}: oea simulate --mode lockstep replays the trace", held, detail)
+    return Check(check_name, held, detail)
 
 
 def _mean(steps: Sequence[Mapping[str, Any]], field: str) -> float:
