@@ -7,8 +7,10 @@ a local database of failures (``.hypothesis/``) to replay them. Pick one with ``
 Each property test sizes its own budget for ``ci`` with ``property_cases.examples(n)``, which the
 profile scales; the boundaries are explicit ``@example``s that every profile runs first.
 
-And how ``make test`` spreads the engine tests over two pytest-xdist workers (``--dist loadscope``): one work unit
-per engine, so each engine's tests run in one worker and in collection order (tests/engines/conftest.py).
+And how the engine tests are spread over two pytest-xdist workers when asked to (``make test-engines
+ENGINE_XDIST="-n 2 --dist loadscope"``; ``make test`` runs them in one process, measured faster on two cores):
+one work unit per engine, so each engine's tests run in one worker and in collection order
+(tests/engines/conftest.py).
 """
 
 from __future__ import annotations

@@ -6,15 +6,15 @@ SIGTERM is what a CI runner sends to cancel a job; Python's default handler ends
 ``stopping_servers`` SIGTERM raises ``KeyboardInterrupt`` instead, the block unwinds, and each server is stopped
 by ``oea.launch.server_process.stop_server`` (SIGTERM to its group, then SIGKILL).
 
-Server slots: ``make test`` runs the engine tests in two pytest-xdist workers (one per engine,
-``tests/conftest.py``), so two modules' servers may run at once, and the machine has 24 GiB. A slot is about
-1.5 GiB: an SGLang server of the embedded model takes one (launcher, scheduler, detokenizer: 1.5 GiB PSS
-measured), a vLLM server two (API server, engine core, worker and its 1 GiB KV cache: 2.8 GiB PSS measured), a
-vLLM TP = 2 server three; the workers share ``SERVER_SLOTS`` (18 GiB, leaving the rest to pytest, check
-scripts and the page cache). A block that would start servers first waits until its slots are free, or until it
-would be alone (a block larger than the machine's slots still runs, by itself). The slots live in a JSON file of
-the test run (``PYTEST_XDIST_TESTRUNUID``) under an exclusive ``flock``; a holder that died is dropped. Outside
-xdist the slots are not counted: one process starts one module's servers at a time.
+Server slots: with ``ENGINE_XDIST="-n 2 --dist loadscope"`` the engine tests run in two pytest-xdist workers (one per
+engine, ``tests/conftest.py``; ``make test`` runs them in one process), so two modules' servers may run at once, and
+the machine has 24 GiB. A slot is about 1.5 GiB: an SGLang server of the embedded model takes one (launcher,
+scheduler, detokenizer: 1.5 GiB PSS measured), a vLLM server two (API server, engine core, worker and its 1 GiB KV
+cache: 2.8 GiB PSS measured), a vLLM TP = 2 server three; the workers share ``SERVER_SLOTS`` (18 GiB, leaving the rest
+to pytest, check scripts and the page cache). A block that would start servers first waits until its slots are free,
+or until it would be alone (a block larger than the machine's slots still runs, by itself). The slots live in a JSON
+file of the test run (``PYTEST_XDIST_TESTRUNUID``) under an exclusive ``flock``; a holder that died is dropped.
+Outside xdist the slots are not counted: one process starts one module's servers at a time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How the engine tests are spread over pytest-xdist workers, and the live SGLang servers of the
 ``test_sglang_server*`` modules, started once for all of them.
 
-``make test`` runs the engine tests in two xdist workers, one per engine (``tests/conftest.py``'s scheduler):
+``make test`` runs the engine tests in one process; with ``ENGINE_XDIST="-n 2 --dist loadscope"`` they run in two
+xdist workers, one per engine (``tests/conftest.py``'s scheduler):
 every test of one engine runs in the same worker, in collection order, so a session fixture (``sglang_servers``)
 starts once and modules never race for it; the vLLM and SGLang tests run beside each other, which fills the core
 that a server serving alone leaves idle. How many servers run at once across both is bounded by the server slots
