@@ -10,6 +10,8 @@
 Engine-free modules every adapter uses, so that no rule is written twice:
 
 * ``runtime``: warn-once, graph-capture detection, the process rank, method wrapping;
+* ``deterministic``: the engines' deterministic / batch-invariant modes keep the engine's routing (OEA off, one
+  warning naming both settings) and the doctor's ``deterministic mode`` check;
 * ``placement``: expert placements read from an engine (``OEA_POLICY=ep``), refreshed after a rebalance;
 * ``metrics``: the ``OEA_METRICS_FILE`` rows (``StepRecord``, ``MetricsWriter``);
 * ``oea.integrations.recording``: ``OEA_TRACE_FILE``'s recorder (``recorder``), the file it writes

@@ -18,6 +18,7 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_configs
 from oea.config.settings import all_settings_from_env
+from oea.integrations.deterministic import doctor_check
 from oea.integrations.doctor.common import check, check_call, entry_point_checks, version_tuple
 from oea.integrations.sglang.hooks import (
     decode_detection,
@@ -28,9 +29,13 @@ from oea.integrations.sglang.hooks import (
     target_hooked,
 )
 from oea.integrations.sglang.placement import doctor_placement
-from oea.integrations.sglang.plugin import install, register
+from oea.integrations.sglang.plugin import deterministic_setting, install, register
 from oea.integrations.sglang.targets import engine_version
 from oea.routing import OEAConfig, RouterSpec, active_experts, route, same_routing
+
+# where the doctor reads SGLang's deterministic inference (a server argument the doctor does not see)
+DETERMINISTIC_HOW = (f"{targets.DETERMINISTIC_VARIABLE}, which SGLang's launcher sets from "
+                     f"{targets.DETERMINISTIC_FLAG} for its schedulers")
 
 
 def doctor_checks() -> list[dict[str, Any]]:
@@ -48,6 +53,7 @@ def doctor_checks() -> list[dict[str, Any]]:
         settings = err
     checks = [check_call("version", _check_version),
               check_call("environment", lambda: _check_environment(_readable(settings))),
+              doctor_check(deterministic_setting, DETERMINISTIC_HOW),
               *entry_point_checks(targets.ENTRY_POINT_GROUP, targets.ENTRY_POINT_VALUE, register, "SGLang"),
               check_call("imports", _check_imports)]
     if checks[-1]["ok"]:  # an SGLang that cannot be imported has no hook targets to look at

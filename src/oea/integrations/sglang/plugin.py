@@ -29,6 +29,7 @@ from oea.config import (
     warn_unknown_variables,
 )
 from oea.config.settings import all_settings_from_env
+from oea.integrations.deterministic import keep_engine_routing
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
 from oea.integrations.sglang.placement import install as install_ep_placements
 from oea.integrations.sglang.routing import select_experts_around_legacy
@@ -49,9 +50,12 @@ def register() -> None:
     try:
         settings = all_settings_from_env()  # every OEA_* setting, read once for this process
         layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0
+        deterministic = deterministic_setting()
     except ValueError as err:
         # SystemExit's message is the one line the process prints (a log line beside it would repeat it)
         raise SystemExit(f"oea: invalid OEA configuration: {err}") from None
+    # SGLang's deterministic inference: OEA stays off, one warning (the rule: oea.integrations.deterministic)
+    settings = keep_engine_routing(settings, deterministic, warn_once)
     blank = blank_note(blank_variables(os.environ))
     if blank:  # OEA_K0= is read as unset: said, not silent
         warn_once("blank", blank)
@@ -73,6 +77,7 @@ def install(settings: EnvSettings) -> list[str]:
     if simulated:
         warn_once("simulate", f"{', '.join(simulated)} overrides routing; OEA is not installed")
         return []
+    settings = keep_engine_routing(settings, deterministic_setting(), warn_once)  # as register (warned once)
     STATE.layers = None
     STATE.layer_index.clear()
     STATE.layers = layer_configs(settings)  # errors name OEA_LAYER_K0_FILE and the file
@@ -97,6 +102,36 @@ def install(settings: EnvSettings) -> list[str]:
     return list(STATE.installed_targets)
 
 
+def deterministic_setting() -> str | None:
+    """``"--enable-deterministic-inference"`` when SGLang's deterministic inference is on in this process, else None.
+
+    Read as SGLang reads it: its published server args (``runtime_context.get_exec().deterministic``, 0.5.22+) where
+    they are published; else SGLang's own flag ``envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE``, which the launcher
+    sets from the server argument before it spawns the schedulers (0.5.12 - 0.5.23) and which is all ``register``
+    can read: a scheduler loads the plugins before it publishes its server args; else (no SGLang: the tests) the
+    variable as SGLang's ``EnvBool`` parses it. A value SGLang cannot parse raises ``ValueError`` naming it.
+    """
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        if bool(get_exec().deterministic.enable_deterministic_inference):
+            return targets.DETERMINISTIC_FLAG
+        return None
+    except (ImportError, AttributeError, ValueError):  # older SGLang, or not published yet
+        pass
+    try:
+        from sglang.srt.environ import envs
+
+        on = bool(envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get())
+    except (ImportError, AttributeError):
+        raw = os.environ.get(targets.DETERMINISTIC_VARIABLE, "").strip().lower()
+        if raw not in ("", "true", "1", "yes", "y", "false", "0", "no", "n"):
+            raise ValueError(f"{targets.DETERMINISTIC_VARIABLE} must be a boolean as SGLang reads it "
+                             f"(true/1/yes/y or false/0/no/n), got {raw!r}") from None
+        on = raw in ("true", "1", "yes", "y")
+    return targets.DETERMINISTIC_FLAG if on else None
+
+
 def _env_flag(name: str) -> bool:
     """An SGLang on/off variable as SGLang reads it (anything but empty/0/false/no/off is on)."""
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
@@ -108,6 +143,7 @@ def install_without_registry(settings: EnvSettings) -> list[str]:
     Returns the patched targets. Versions without ``_post_process_topk_ids`` get an AROUND
     rewrite of ``select_experts``' output (EPLB remap must be off there; such calls pass through).
     """
+    settings = keep_engine_routing(settings, deterministic_setting(), warn_once)  # as register
     STATE.settings = settings
     install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
     STATE.specs.clear()

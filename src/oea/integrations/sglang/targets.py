@@ -43,6 +43,10 @@ EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
     GRAPH_CAPTURE_TARGET: ("self", "bs"),
     CPU_GRAPH_CAPTURE_TARGET: ("self", "bs"),
 }
+# SGLang's deterministic inference (plugin.deterministic_setting): the server argument, and the variable SGLang's
+# launcher sets from it before it spawns the schedulers (every release 0.5.12 - 0.5.23)
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+DETERMINISTIC_VARIABLE = "SGLANG_ENABLE_DETERMINISTIC_INFERENCE"
 SIMULATION_VARIABLES = ("SGLANG_SIMULATE_UNIFORM_EXPERTS", "SGLANG_SIMULATE_ROUND_ROBIN_EXPERTS")
 
 

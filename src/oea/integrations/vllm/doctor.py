@@ -11,9 +11,10 @@ import torch
 
 from oea.config import layer_configs
 from oea.config.settings import all_settings_from_env
+from oea.integrations.deterministic import doctor_check
 from oea.integrations.doctor.common import check, check_call, entry_point_checks, installed_version
 from oea.integrations.vllm.placement import doctor_placement
-from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, register, router_spec
+from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, batch_invariant_setting, register, router_spec
 from oea.integrations.vllm.state import STATE
 from oea.routing import OEAConfig, active_experts, route, same_routing
 
@@ -38,6 +39,7 @@ def doctor_checks() -> list[dict[str, Any]]:
     checks += entry_point_checks(ENTRY_POINT_GROUP, ENTRY_POINT_VALUE, register, "vLLM",
                                  loads_name="entry point loadable")
     checks.append(check_call("environment", _check_environment))
+    checks.append(doctor_check(batch_invariant_setting, "vllm.envs.VLLM_BATCH_INVARIANT, as vLLM reads it"))
     if version is None:
         checks.append(check("hook targets", False, "vLLM is not installed in this interpreter"))
         return checks

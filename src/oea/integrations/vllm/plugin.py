@@ -30,6 +30,7 @@ from oea.config import (
     warn_unknown_variables,
 )
 from oea.config.settings import all_settings_from_env
+from oea.integrations.deterministic import keep_engine_routing
 from oea.integrations.metrics import MetricsWriter
 from oea.integrations.recording.common import writable_settings
 from oea.integrations.recording.recorder import trace_path_problem
@@ -41,7 +42,7 @@ from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrap
 from oea.integrations.vllm.speculative import read_speculation
 from oea.integrations.vllm.state import STATE, log, warn_once
 from oea.integrations.vllm.steps import begin_step, end_step, unreadable_speculation
-from oea.integrations.vllm.targets import ROUTER_CLASSES, ROUTER_MODULE
+from oea.integrations.vllm.targets import BATCH_INVARIANT_VARIABLE, ROUTER_CLASSES, ROUTER_MODULE
 from oea.kernels import choose_impl, route_fast
 from oea.routing import RouterSpec, unsupported_layer_message
 
@@ -53,11 +54,13 @@ def register() -> None:
     at start-up (better than serving with a silently wrong configuration).
     """
     settings = all_settings_from_env()  # every OEA_* setting, read once for this process
+    layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0, else start-up stops naming it
+    # vLLM's batch-invariant mode: OEA stays off, one warning (the rule: oea.integrations.deterministic)
+    settings = keep_engine_routing(settings, batch_invariant_setting(), warn_once)
     timing = settings.timing
     trace = _trace_settings(settings.trace)
     observed = settings.metrics_file or timing or trace is not None
     mode = "oea" if settings.oea is not None else ("observe" if observed else "off")
-    layer_configs(settings)  # OEA_LAYER_K0_FILE readable, well-formed and with OEA_K0, else start-up stops naming it
     blank = blank_note(blank_variables(os.environ))
     if blank and not STATE.installed:  # OEA_K0= is read as unset: said, not silent
         log.warning("oea: %s", blank)
@@ -71,6 +74,28 @@ def register() -> None:
     what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
     log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),
              ", ".join(wrapped))
+
+
+def batch_invariant_setting() -> str | None:
+    """``"VLLM_BATCH_INVARIANT=1"`` when vLLM's batch-invariant mode is on in this process, else None.
+
+    Read the way vLLM reads it: ``vllm.envs.VLLM_BATCH_INVARIANT`` (0.32 and 0.33 have no accessor function; their
+    ``init_batch_invariance`` and every kernel read that attribute: ``bool(int(os.getenv("VLLM_BATCH_INVARIANT",
+    "0")))``), or that same parse of the variable where ``vllm.envs`` is not importable (the doctor without vLLM).
+    A value vLLM cannot parse raises ``ValueError`` naming the variable (vLLM itself would fail on it).
+    """
+    raw = os.environ.get(BATCH_INVARIANT_VARIABLE, "0")
+    try:
+        try:
+            import vllm.envs as envs
+        except ImportError:
+            on = bool(int(raw))
+        else:
+            on = bool(envs.VLLM_BATCH_INVARIANT)
+    except ValueError:  # int() of a word
+        raise ValueError(f"{BATCH_INVARIANT_VARIABLE} must be an integer as vLLM reads it (0 or 1), got {raw!r}") \
+            from None
+    return f"{BATCH_INVARIANT_VARIABLE}=1" if on else None
 
 
 def _trace_settings(trace: TraceSettings | None) -> TraceSettings | None:

@@ -16,6 +16,8 @@ ROUTER_CLASSES: dict[str, str] = {
     "FusedTopKBiasRouter": "fused_topk_bias_router",
     "GroupedTopKRouter": "grouped_topk_router",
 }
+# vLLM's batch-invariant mode, read as vLLM reads it (plugin.batch_invariant_setting: vllm.envs)
+BATCH_INVARIANT_VARIABLE = "VLLM_BATCH_INVARIANT"
 CUDA_RELEASE = "0.33.0"  # the CUDA `vllm` wheel whose source the targets are checked against
 COMPUTE_ROUTING = ("self", "hidden_states", "router_logits", "indices_type")
 # router attributes plugin.router_spec reads (class -> attributes; the rest it reads with a default)
