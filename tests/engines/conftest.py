@@ -49,15 +49,19 @@ _SLOTS: list[ServerSlots] = []  # their server slots, freed when they stop
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each engine's modules in ``MODULE_ORDER`` (a stable sort: the tests of a module stay together and in order;
-    the other tests of the run keep their places before the engine tests)."""
-    order = {name: rank for names in MODULE_ORDER.values() for rank, name in enumerate(names)}
+    """One engine's modules after the other's, each engine's in ``MODULE_ORDER`` (a stable sort: the tests of a
+    module stay together and in order; the other tests of the run keep their places before the engine tests).
+    Engine by engine, so that in one process (``make test``) the shared SGLang servers, which live from their
+    first module to their last, are never up beside a vLLM module's servers (memory); in two xdist workers each
+    worker holds one engine's tests and the order within it is ``MODULE_ORDER``'s."""
+    order = {name: (engine, rank) for engine, names in enumerate(MODULE_ORDER.values())
+             for rank, name in enumerate(names)}
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
+    def rank(item: pytest.Item) -> tuple[int, int, int]:
         module = getattr(getattr(item, "module", None), "__name__", "")
         if "/tests/engines/" not in f"/{item.nodeid}":
-            return (0, 0)
-        return (1, order.get(module.rsplit(".", 1)[-1], len(order)))
+            return (0, 0, 0)
+        return (1, *order.get(module.rsplit(".", 1)[-1], (len(MODULE_ORDER), 0)))
 
     items.sort(key=rank)
 
