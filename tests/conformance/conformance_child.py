@@ -35,9 +35,11 @@ def set_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def routed(ids: torch.Tensor, weights: torch.Tensor, spec: Any) -> dict[str, Any]:
-    """One layer's result as JSON."""
-    return {"ids": ids.long().tolist(), "weights": weights.float().tolist(), "spec": spec_fields(spec)}
+def routed(ids: torch.Tensor, weights: torch.Tensor, spec: Any, replay: torch.Tensor | None = None) -> dict[str, Any]:
+    """One layer's result as JSON; ``replay``: the ids the engine's routed-experts capture took for these rows
+    (what a trainer replaying the routing receives)."""
+    return {"ids": ids.long().tolist(), "weights": weights.float().tolist(), "spec": spec_fields(spec),
+            "replay": None if replay is None else replay.long().tolist()}
 
 
 def main(run: Callable[[dict[str, Any]], Outcome], loggers: tuple[str, ...]) -> None:

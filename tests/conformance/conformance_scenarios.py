@@ -13,6 +13,13 @@ A setting that cannot fit the model (``fits=False``) stops start-up where the ad
 (``STOPS_AT_START``) and is a warning plus the engine's routing elsewhere; in both cases the words are the
 table's ``message``. A scenario's ``adapters`` names where it applies (padding rows exist in the engines
 only; the alias/``OEA_POLICY`` rows everywhere).
+
+Routing replay: each layer's outcome also holds ``replay``, the ids the engine's routed-experts capture took (vLLM's
+and SGLang's own capturers; transformers, which has none, the ids its experts ran). In every ``routed`` and
+``stock`` outcome they must follow ``oea.integrations.replay``'s rule: a slot that repeats an earlier id of its
+row is a filler, every other slot is the adapter's own id there with a non-zero weight, and the row's distinct
+ids are exactly the experts ``oea.route`` gives a non-zero weight; where OEA changes nothing, the engine's ids
+exactly (slot order included).
 """
 
 from __future__ import annotations
@@ -124,6 +131,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              expect=(_oea(1, min_batch=3), _oea(2, min_batch=3))),
     Scenario("layer-file-batch-k0-small-batch", {"OEA_K0": "2"}, rows=4, layer_file=BATCH_FILE, expect=(None, None)),
     Scenario("padding-rows", {"OEA_K0": "1"}, padding=4, expect=(_oea(1), _oea(1)), adapters=("vllm", "sglang")),
+    # routing replay: 3 rows at k0 = 1 hold at most 3 experts, fewer than top_k = 4, so every row has fillers
+    # (SGLang's native MoE then renames them to experts nobody routes to: fillers.py); what the engine's
+    # routed-experts capture returns must follow oea.integrations.replay's rule (checked in every routed scenario)
+    Scenario("routed_experts-fillers", {"OEA_K0": "1"}, rows=3, expect=(_oea(1), _oea(1))),
+    Scenario("routed_experts-fillers-padding", {"OEA_K0": "1"}, rows=5, padding=2, expect=(_oea(1), _oea(1)),
+             adapters=("vllm", "sglang")),
+    Scenario("routed_experts-k0-equals-top-k", {"OEA_K0": str(TOP_K)}, rows=3, expect=(None, None)),
     Scenario("policy-ep-without-expert-parallelism", {"OEA_K0": "2", "OEA_POLICY": "ep"}, expect=(_oea(2), _oea(2))),
     # EP with a layer file: each layer's k0 on the layer's base config (here plain OEA: the children run without
     # expert parallelism; tests/unit/test_ep_layer_file_adapters.py composes it on a placement in both engines)

@@ -2,7 +2,12 @@
 ``load_plugins()`` registers the hooks once; each scenario then runs the entry point ``register()`` with its
 environment and routes SGLang's ``select_experts`` (its ``_post_process_topk_ids`` hook rewrites the routed
 columns) inside SGLang's ``forward_context`` of a DECODE batch. Padding rows are SGLang's
-``num_token_non_padded``."""
+``num_token_non_padded``.
+
+Routed-experts capture (``--enable-return-routed-experts``): SGLang's own ``RoutedExpertsCapturer`` is the global
+capturer, so ``_post_process_topk_ids`` captures each layer's ids as the server's would; its device buffer is set
+up directly (``__init__`` also pins a host buffer with ``cudaHostRegister``, which fails without CUDA: the reason a
+CPU server cannot return routed experts)."""
 
 from __future__ import annotations
 
@@ -18,9 +23,11 @@ torch._dynamo.config.disable = True  # SGLang's grouped top-k helpers are compil
 import sglang.srt.layers.moe.topk as topk  # noqa: E402
 import sglang.srt.model_executor.forward_context as fc  # noqa: E402
 import sglang.srt.plugins as plugins  # noqa: E402
+import sglang.srt.state_capturer.routed_experts as routed_experts  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, publish, reset_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.state_capturer.base import BaseDeviceCache  # noqa: E402
 
 import oea.integrations.sglang as plugin  # noqa: E402
 from oea.integrations.sglang.state import STATE  # noqa: E402
@@ -29,6 +36,11 @@ reset_context()
 publish(ServerArgs(model_path="dummy", device="cpu"), role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
 set_env({"OEA_K0": "2"})
 plugins.load_plugins()  # SGLang's loader: the plugin registers its hooks with SGLang's HookRegistry
+MAX_ROWS = 64
+CAPTURER = routed_experts.RoutedExpertsCapturer.__new__(routed_experts.RoutedExpertsCapturer)
+CAPTURER.num_fused_shared_experts = 0
+CAPTURER.device_cache = BaseDeviceCache(MAX_ROWS, LAYERS, TOP_K, "cpu", "routed_experts")
+routed_experts.set_global_experts_capturer(CAPTURER)
 
 
 def _config(family: str) -> Any:
@@ -51,13 +63,15 @@ def run(scenario: dict[str, Any]) -> Outcome:
     non_padded = torch.tensor(rows - padding, dtype=torch.int32) if padding else None
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, moe_num_token_non_padded=None)
     layers, rewrites = [], plugin.rewrite_count()
+    captured = CAPTURER.device_cache.buffer
+    captured.fill_(-1)
     with fc.forward_context(fc.ForwardContext(attn_backend=None), forward_batch=batch):
         for layer in range(LAYERS):
             out = topk.select_experts(hidden_states=torch.zeros(rows, 4), router_logits=logits(rows, layer),
                                       topk_config=config, layer_id=layer, num_token_non_padded=non_padded)
             cached = STATE.specs.get(id(config))
             spec = cached[2] if cached is not None and not isinstance(cached[2], str) else None
-            layers.append(routed(out.topk_ids, out.topk_weights, spec))
+            layers.append(routed(out.topk_ids, out.topk_weights, spec, captured[:rows, layer].clone()))
     if plugin.rewrite_count() == rewrites and any("keeps the engine's own routing" in m for m in WARNINGS):
         return Outcome("stock", layers=layers)
     return Outcome("routed", layers=layers)

@@ -62,7 +62,7 @@ def run(scenario: dict[str, Any]) -> Outcome:
                     layer.block(hidden)
             finally:
                 hook.remove()
-            layers.append(routed(seen["ids"], seen["weights"], layer.spec))
+            layers.append(routed(seen["ids"], seen["weights"], layer.spec, seen["ids"]))  # no capture: the ids run
         return Outcome("routed", layers=layers)
     finally:
         handle.remove()

@@ -3,6 +3,11 @@ the scenario's environment, ``Worker.load_model``'s ``_after_load`` on a model o
 routers, then one decode step in which each router's wrapped ``_compute_routing`` runs the ``oea::cpu_route``
 op. Padding rows come from vLLM's own ``ForwardContext.is_padding``.
 
+Routed-experts capture (``--enable-return-routed-experts``): vLLM's own ``RoutedExpertsCapturer.capture`` is bound
+to each router with ``set_capture_fn``, as ``bind_routed_experts_capturer`` binds it, and each router is called
+through ``_select_experts``, which captures the ids its (wrapped) ``_compute_routing`` returned. The capturer's
+buffer is set up directly: its ``__init__`` wants a whole ``VllmConfig`` for the buffer's shape.
+
 Stand-ins: the model is a module tree holding the routers (no weights, no attention), and the engine step's
 ``SchedulerOutput`` is a namespace with the fields the plugin reads (one token per request: a decode step).
 """
@@ -10,6 +15,7 @@ Stand-ins: the model is a module tree holding the routers (no weights, no attent
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any
 
@@ -17,6 +23,7 @@ import torch
 from conformance_child import main, routed
 from conformance_scenarios import LAYERS, NUM_EXPERTS, TOP_K, Outcome, bias, logits
 from vllm.forward_context import ForwardContext, override_forward_context
+from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
 import oea.integrations.vllm as plugin
@@ -58,6 +65,15 @@ def _model(family: str) -> torch.nn.Module:
     return model
 
 
+def _capturer(rows: int) -> RoutedExpertsCapturer:
+    """vLLM's capturer with a buffer for ``rows`` tokens of every MoE layer (one rank: no data parallelism)."""
+    capturer = RoutedExpertsCapturer.__new__(RoutedExpertsCapturer)
+    capturer.shape_per_token = (LAYERS, TOP_K)
+    capturer.device_buffer = torch.full((rows, LAYERS, TOP_K), -1, dtype=torch.int32)
+    capturer.dp_rank, capturer.tp_size = 0, 1
+    return capturer
+
+
 def run(scenario: dict[str, Any]) -> Outcome:
     _fresh_state()
     try:
@@ -72,13 +88,15 @@ def run(scenario: dict[str, Any]) -> Outcome:
     is_padding = torch.arange(rows) >= rows - padding
     context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}, is_padding=is_padding)
     layers = []
+    capturer = _capturer(rows)
     begin_step(step)
     try:
         with override_forward_context(context):
             for position, block in enumerate(model.model.layers):
                 router = block.mlp.router
-                weights, ids = router._compute_routing(torch.zeros(rows, 8), logits(rows, position), None)
-                layers.append(routed(ids, weights, STATE.specs[position]))
+                router.set_capture_fn(functools.partial(capturer.capture, position))
+                weights, ids = router._select_experts(torch.zeros(rows, 8), logits(rows, position))
+                layers.append(routed(ids, weights, STATE.specs[position], capturer.device_buffer[:, position]))
     finally:
         end_step()
     return Outcome("routed", layers=layers)

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from conformance_scenarios import SCENARIOS, Scenario, as_json, expected, family_spec, logits, spec_fields
+from conformance_scenarios import SCENARIOS, TOP_K, Scenario, as_json, expected, family_spec, logits, spec_fields
 from engine_venvs import child_env, engine_python
 
 from oea.config import write_layer_k0_file
+from oea.integrations.replay import filler_slots
 from oea.routing import LayerK0Schedule, route, routing_difference
 
 HERE = Path(__file__).resolve().parent
@@ -90,6 +91,27 @@ def _message(scenario: Scenario, files: dict[str, str]) -> str:
     return (scenario.message or "").replace("{file}", files.get(scenario.name, ""))
 
 
+def _check_replay(adapter: str, layer: int, got: dict[str, Any], ids: torch.Tensor, weights: torch.Tensor,
+                  engine_own: bool) -> None:
+    """The routed-experts ids of one layer's real rows (``got["replay"]``) against the routing the layer should
+    have run (``ids`` / ``weights`` [real rows, k]): every slot is a filler by ``oea.integrations.replay``'s rule
+    or the adapter's own id there with a non-zero weight; each row's distinct ids are exactly the experts with a
+    non-zero weight; ``engine_own`` (OEA changed nothing): the adapter's ids exactly."""
+    real = ids.shape[0]
+    replay = torch.tensor(got["replay"])[:real, :TOP_K]
+    own_ids, own_weights = torch.tensor(got["ids"])[:real, :TOP_K], torch.tensor(got["weights"])[:real, :TOP_K]
+    where = f"{adapter} layer {layer} routed-experts ids"
+    if engine_own:
+        assert torch.equal(replay, own_ids), f"{where} {replay.tolist()} are not the engine's own {own_ids.tolist()}"
+    filler = filler_slots(replay)
+    ran = (replay == own_ids) & (own_weights != 0)
+    assert bool((filler | ran).all()), f"{where}: slots neither a filler nor run with a weight: {replay.tolist()}"
+    for row in range(real):
+        replayed = set(replay[row][~filler[row]].tolist())
+        wanted = set(ids[row][weights[row] != 0].tolist())
+        assert replayed == wanted, f"{where}, row {row}: {sorted(replayed)} replayed, {sorted(wanted)} ran"
+
+
 def _check(adapter: str, scenario: Scenario, outcome: dict[str, Any], files: dict[str, str]) -> None:
     assert outcome["kind"] != "harness-error", outcome["message"]
     want = scenario.outcome(adapter)
@@ -104,6 +126,7 @@ def _check(adapter: str, scenario: Scenario, outcome: dict[str, Any], files: dic
             ids, weights = route(logits(scenario.rows, layer), family_spec(scenario.family))
             difference = routing_difference(ids, weights, torch.tensor(got["ids"]), torch.tensor(got["weights"]))
             assert difference is None, f"{adapter} layer {layer} is not the engine's own routing: {difference}"
+            _check_replay(adapter, layer, got, ids, weights, engine_own=True)
         return
     if scenario.warning is not None:
         assert any(scenario.warning in warning for warning in outcome["warnings"]), (adapter, outcome["warnings"])
@@ -115,6 +138,7 @@ def _check(adapter: str, scenario: Scenario, outcome: dict[str, Any], files: dic
         difference = routing_difference(ids, weights, torch.tensor(got["ids"])[:real],
                                         torch.tensor(got["weights"])[:real])
         assert difference is None, f"{adapter} layer {layer} vs oea.route({expected(scenario, layer)}): {difference}"
+        _check_replay(adapter, layer, got, ids, weights, engine_own=expected(scenario, layer) is None)
 
 
 CASES = [pytest.param(adapter, scenario, id=f"{adapter}-{scenario.name}", marks=ENGINE_MARKS[adapter])
@@ -133,5 +157,6 @@ def test_conformance_table_covers_every_situation() -> None:
     assert {"OEA_K0", "SGLANG_OEA_K0", "OEA_MIN_BATCH", "OEA_MAX_EXPERTS", "OEA_GROUP_FILL", "OEA_POLICY"} <= env
     assert {s.family for s in SCENARIOS} == {"softmax-renorm", "softmax", "sigmoid-grouped"}
     assert {"layer-file", "layer-file-batch-k0", "padding-rows", "k0-above-top-k", "layer-file-another-model",
-            "layer-file-missing-layer", "bad-k0", "alias-conflict"} <= names
+            "layer-file-missing-layer", "bad-k0", "alias-conflict", "routed_experts-fillers",
+            "routed_experts-k0-equals-top-k"} <= names
     assert len(CASES) == sum(len(s.adapters) for s in SCENARIOS)

@@ -212,6 +212,17 @@ def run_routing() -> dict[str, Any]:
         single = _select(sg, glm, one_row)
     check("min_batch_single_row_untouched", *identical(single, baseline_one_row))
 
+    # Routing replay: SGLang's routed-experts capturer pins its host buffer with cudaHostRegister, so a CPU server
+    # started with --enable-return-routed-experts stops at start-up (docs/sglang.md, "Using OEA with routing
+    # replay"); the day this allocation works, the CPU server can return the ids and the live test is due.
+    from sglang.srt.state_capturer.base import BaseHostCache
+
+    try:
+        BaseHostCache(4, 2, TOP_K, "routed_experts", "cpu")
+        check("routed_experts_cpu_host_buffer_fails", False, "allocated: a CPU server can now return routed experts")
+    except (AssertionError, RuntimeError) as err:
+        check("routed_experts_cpu_host_buffer_fails", "CUDA" in str(err), f"{type(err).__name__}: {err}")
+
     from importlib.metadata import version
 
     return {"sglang_version": version("sglang"), "k0": K0, "rewrites": plugin.rewrite_count(),

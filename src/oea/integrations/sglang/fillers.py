@@ -12,11 +12,25 @@ zero weight, so no output changes). Only a call whose union of experts is smalle
 hold k distinct experts of it) takes unused experts, the lowest ids, the same for every row: at most
 k - |union| zero-weight experts more for ``moe_forward_native`` to run. SGLang's other MoE runners count per
 slot and are indifferent to the renaming.
+
+Routed-experts capture (``--enable-return-routed-experts``, ``return_routed_experts``) must not see the renaming:
+a distinct filler cannot be told from a real route by a trainer that replays the ids. SGLang captures the ids
+``_post_process_topk_ids`` is given, so ``capture_replay_ids`` wraps SGLang's capturer once: when it captures
+the renamed tensor, it captures OEA's ids instead, whose fillers repeat the row's own expert
+(``oea.integrations.replay``: the rule every adapter returns).
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
+
+from oea.integrations.replay import ReplayIds
+
+CAPTURER_MODULE = "sglang.srt.state_capturer.routed_experts"  # get_global_experts_capturer(): None unless capture is on
+REPLAY = ReplayIds()
 
 
 def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_experts: int
@@ -50,3 +64,38 @@ def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_exper
     new_weights = weights.clone()
     new_weights[:, :k] = torch.where(repeat, torch.zeros_like(weights[:, :k]), weights[:, :k])
     return new_ids, new_weights
+
+
+def capture_replay_ids(kernel_ids: torch.Tensor, replay_ids: torch.Tensor) -> None:
+    """Have SGLang's routed-experts capture (when it is on) take ``replay_ids`` where it is handed ``kernel_ids``
+    (the renamed tensor this routing call returns). Nothing happens without a capturer."""
+    capturer = _capturer()
+    if capturer is None:
+        return
+    if not getattr(capturer, "_oea_replay_ids", False):
+        _wrap(capturer)
+    REPLAY.note(kernel_ids, replay_ids)
+
+
+def _capturer() -> Any:
+    try:
+        module = importlib.import_module(CAPTURER_MODULE)
+    except ImportError:  # an SGLang without routed-experts capture
+        return None
+    getter = getattr(module, "get_global_experts_capturer", None)
+    return None if getter is None else getter()
+
+
+def _wrap(capturer: Any) -> None:
+    """``capturer.capture(layer_id, topk_indices)`` with ``topk_indices`` swapped for OEA's ids (``REPLAY``)."""
+    original = capturer.capture
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        if "topk_indices" in kwargs:
+            kwargs["topk_indices"] = REPLAY.swap(kwargs["topk_indices"])
+        elif len(args) >= 2:
+            args = (args[0], REPLAY.swap(args[1]), *args[2:])
+        return original(*args, **kwargs)
+
+    capturer.capture = capture
+    capturer._oea_replay_ids = True

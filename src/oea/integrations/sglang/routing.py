@@ -2,7 +2,8 @@
 
 ``post_process_before`` is a BEFORE hook on ``topk._post_process_topk_ids``. It sees logical expert ids
 before the EPLB remap, the padded-row mask, the shared-expert append, routed-experts capture and the
-expert-distribution recorder, so all of those see the OEA ids. In DECODE forwards it replaces the routed
+expert-distribution recorder, so all of those see the OEA ids (routed-experts capture sees OEA's fillers, not
+their renaming for SGLang's native MoE: ``fillers.capture_replay_ids``). In DECODE forwards it replaces the routed
 columns by ``rewrite_topk``'s; padding rows (``num_token_non_padded``, or OEA's own count of real rows where
 SGLang keeps none: ``padding.bound``) keep SGLang's output and do not join the union. ``select_experts_before``
 only notes per-token dynamic expert bias (Bailing/Ling), which the rewrite cannot rebuild and therefore passes
@@ -24,7 +25,7 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
 from oea.config import layer_configs
-from oea.integrations.sglang.fillers import distinct_fillers
+from oea.integrations.sglang.fillers import capture_replay_ids, distinct_fillers
 from oea.integrations.sglang.placement import ep_config
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
 from oea.integrations.sglang.state import PHASE, STATE, decode_active, warn_once
@@ -148,7 +149,9 @@ def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
         result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
                               padding.bound(router_logits, kwargs.get("num_token_non_padded")))
         if result is not None:  # SGLang's native MoE miscounts a row's repeated ids (fillers.py)
+            replay_ids = result[0]  # what routed-experts capture returns: fillers repeat the row's own expert
             result = distinct_fillers(result[0], result[1], spec.top_k, spec.num_experts)
+            capture_replay_ids(result[0], replay_ids)
     except UnsupportedRouting as why:
         warn_once(f"unsupported:{why}", unsupported_layer_message(kwargs.get("layer_id"), str(why)))
         return None

@@ -1,0 +1,89 @@
+"""Routing replay (``oea.integrations.replay``): the filler rule a trainer applies to the ids an engine returns
+(``routed_experts``), and SGLang's capture taking OEA's ids while its native MoE runs distinct fillers
+(``oea.integrations.sglang.fillers.capture_replay_ids``). Engine-free: SGLang's capturer module is a stand-in."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import oea.integrations.sglang.fillers as fillers
+from oea.integrations.replay import ReplayIds, filler_slots, real_slots
+from oea.integrations.sglang.fillers import capture_replay_ids, distinct_fillers
+from oea.routing import OEAConfig, RouterSpec, route
+
+
+def test_routed_experts_filler_slots_are_the_repeats_of_an_earlier_id_of_the_row() -> None:
+    ids = torch.tensor([[[4, 9, 4, 4], [1, 2, 3, 0]], [[7, 7, 7, 7], [5, 6, 5, 6]]])  # [tokens, layers, k]
+    assert filler_slots(ids).tolist() == [[[False, False, True, True], [False] * 4],
+                                          [[False, True, True, True], [False, False, True, True]]]
+    assert torch.equal(real_slots(ids), ~filler_slots(ids))
+    as_vllm = np.array([[3, 255, 3]], dtype=np.uint8)  # vLLM returns uint8 ids for <= 256 experts
+    assert filler_slots(as_vllm).tolist() == [[False, False, True]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_routed_experts_of_oea_routing_replay_exactly_the_experts_with_a_weight(seed: int) -> None:
+    """The rule on ``oea.route``'s own output: the real slots by the ids alone are the slots with a weight."""
+    spec = RouterSpec(num_experts=32, top_k=8, scoring="softmax", renormalize=True)
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed))
+    ids, weights = route(logits, spec, OEAConfig(2, min_batch=1))  # a union of <= 6: every row has fillers
+    assert bool(filler_slots(ids).any())
+    assert torch.equal(real_slots(ids), weights != 0)
+
+
+def test_routed_experts_replay_ids_swap_once_for_the_noted_tensor_only() -> None:
+    replay = ReplayIds()
+    kernel, oea_ids, other = torch.tensor([[1, 2]]), torch.tensor([[1, 1]]), torch.tensor([[1, 2]])
+    replay.note(kernel, oea_ids)
+    assert replay.swap(other) is other  # equal values, another tensor: not the routing call's
+    assert replay.swap(kernel) is oea_ids
+    assert replay.swap(kernel) is kernel  # once
+    replay.note(kernel, kernel)
+    assert replay.swap(kernel) is kernel
+
+
+class _Capturer:
+    """SGLang's capturer as ``_post_process_topk_ids`` calls it: ``capture(layer_id=..., topk_indices=...)``."""
+
+    def __init__(self) -> None:
+        self.captured: list[torch.Tensor] = []
+
+    def capture(self, layer_id: int, topk_indices: torch.Tensor) -> None:
+        self.captured.append(topk_indices.clone())
+
+
+@pytest.fixture
+def capturer(monkeypatch: pytest.MonkeyPatch) -> _Capturer:
+    held = _Capturer()
+    module = types.ModuleType(fillers.CAPTURER_MODULE)
+    module.get_global_experts_capturer = lambda: held  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, fillers.CAPTURER_MODULE, module)
+    return held
+
+
+def test_routed_experts_sglang_capture_gets_oea_fillers_while_the_kernel_gets_distinct_ones(capturer: _Capturer
+                                                                                           ) -> None:
+    spec = RouterSpec(num_experts=16, top_k=4, scoring="softmax", renormalize=True)
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    ids, weights = route(logits, spec, OEAConfig(1, min_batch=1))  # 2 rows x k0 = 1: a union of <= 2 experts
+    kernel_ids, _ = distinct_fillers(ids, weights, 4, 16)
+    capture_replay_ids(kernel_ids, ids)
+    capturer.capture(layer_id=0, topk_indices=kernel_ids)  # what SGLang does with the rewritten ids
+    capturer.capture(0, kernel_ids)  # a second capture of the same tensor is not swapped again
+    assert torch.equal(capturer.captured[0], ids)
+    assert torch.equal(filler_slots(capturer.captured[0]), weights == 0) and bool((weights == 0).any())
+    assert torch.equal(capturer.captured[1], kernel_ids) and not bool(filler_slots(kernel_ids).any())
+
+
+def test_routed_experts_without_sglang_capture_nothing_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType(fillers.CAPTURER_MODULE)
+    module.get_global_experts_capturer = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, fillers.CAPTURER_MODULE, module)
+    kernel = torch.tensor([[1, 2]])
+    capture_replay_ids(kernel, torch.tensor([[1, 1]]))
+    assert fillers.REPLAY.swap(kernel) is kernel
