@@ -12,6 +12,8 @@ Engine-free modules every adapter uses, so that no rule is written twice:
 * ``runtime``: warn-once, graph-capture detection, the process rank, method wrapping;
 * ``deterministic``: the engines' deterministic / batch-invariant modes keep the engine's routing (OEA off, one
   warning naming both settings) and the doctor's ``deterministic mode`` check;
+* ``bypass``: a substituted router class (a platform's subclass overriding the method OEA's hook runs through)
+  named at start-up (one warning per class) and by the doctor's ``router bypass`` check;
 * ``replay``: routing replay: the rule by which a trainer tells OEA's fillers in the routed-experts ids an engine
   returns (``filler_slots``) and ``ReplayIds``, which hands an engine's capture OEA's ids where its kernel runs others;
 * ``placement``: expert placements read from an engine (``OEA_POLICY=ep``), refreshed after a rebalance;

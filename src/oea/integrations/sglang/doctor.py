@@ -1,7 +1,8 @@
 """``oea doctor sglang``: version, environment, entry point, imports (a missing dependency named as one),
 plugin system, every hook target with the parameters the hooks read, hooks live after SGLang's own
 ``load_plugins()``, a self-test through the real ``select_experts`` on CPU tensors in a DECODE and an
-EXTEND forward context, and what keeps CUDA-graph padding rows out of the union."""
+EXTEND forward context, what keeps CUDA-graph padding rows out of the union, and the router classes a platform
+may substitute (``router bypass``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_configs
 from oea.config.settings import all_settings_from_env
+from oea.integrations import bypass
 from oea.integrations.deterministic import doctor_check
 from oea.integrations.doctor.common import check, check_call, entry_point_checks, version_tuple
 from oea.integrations.sglang.hooks import (
@@ -29,7 +31,7 @@ from oea.integrations.sglang.hooks import (
     target_hooked,
 )
 from oea.integrations.sglang.placement import doctor_placement
-from oea.integrations.sglang.plugin import deterministic_setting, install, register
+from oea.integrations.sglang.plugin import deterministic_setting, install, register, topk_bypasses
 from oea.integrations.sglang.targets import engine_version
 from oea.routing import OEAConfig, RouterSpec, active_experts, route, same_routing
 
@@ -72,7 +74,21 @@ def doctor_checks() -> list[dict[str, Any]]:
     if imports_ok:
         checks.append(check_call("cuda-graph padding", lambda: _check_padding(_readable(settings))))
         checks.append(check_call("ep placement", doctor_placement))
+        checks.append(bypass.doctor_check(_bypasses_as_served))
     return checks
+
+
+def _bypasses_as_served() -> tuple[list[bypass.Bypass], str]:
+    """``topk_bypasses`` once this process holds the router classes an SGLang process would: SGLang's plugins
+    loaded (one may substitute a router class or register an out-of-tree forward; idempotent)."""
+    from sglang.srt.plugins import load_plugins
+
+    try:
+        load_plugins()
+    except SystemExit as err:  # our register refuses a malformed OEA_* value (the environment check names it)
+        raise RuntimeError(f"SGLang's plugins did not load: {err}") from None
+    found, looked_at = topk_bypasses()
+    return found, f"{looked_at}, after SGLang's load_plugins()"
 
 
 def _readable(settings: EnvSettings | ValueError | None) -> EnvSettings:

@@ -5,6 +5,10 @@ Enable with ``OEA_K0=<k0>`` (alias ``SGLANG_OEA_K0``) in the environment of the 
 which registers ``hooks.hook_plan()`` with SGLang's ``HookRegistry`` (applied by SGLang afterwards).
 Without ``OEA_K0`` nothing is installed and SGLang is untouched. SGLang < 0.5.12 has no plugin system:
 ``install_without_registry`` (run by ``python -m oea.launch.sglang``) patches the same targets directly.
+
+A substituted router (a ``TopK`` subclass whose routing forwards are its own, an out-of-tree forward registered for
+it) never reaches ``select_experts``, where the hooks sit: ``topk_bypasses`` finds it (the rule:
+``oea.integrations.bypass``), ``register`` warns once per such class, ``oea doctor sglang`` fails.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from oea.config import (
     warn_unknown_variables,
 )
 from oea.config.settings import all_settings_from_env
+from oea.integrations.bypass import Bypass, class_path, describe, find_bypasses, startup_warning
 from oea.integrations.deterministic import keep_engine_routing
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
 from oea.integrations.sglang.placement import install as install_ep_placements
@@ -66,6 +71,30 @@ def register() -> None:
         log.info("oea: OEA_K0 unset; SGLang routing unchanged")
         return
     install(settings)
+    if settings.oea is not None and targets.TOPK_MODULE in sys.modules:  # no TopK subclass before its module
+        startup_warning(topk_bypasses, warn_once)
+
+
+def routing_forwards(topk: type) -> tuple[str, ...]:
+    """The methods through which ``TopK`` routes: ``forward`` and every ``forward_<platform or backend>`` (SGLang's
+    dispatch picks one per process; each of TopK's own reaches ``select_experts``, where the hooks sit)."""
+    return tuple(sorted(name for name in dir(topk) if name == "forward" or name.startswith("forward_")))
+
+
+def topk_bypasses() -> tuple[list[Bypass], str]:
+    """SGLang's ``TopK`` and every subclass of it in this process whose routing forwards are not TopK's own, and
+    every out-of-tree forward registered for one of them (``BaseFusedOp.register_oot_forward``, 0.5.23: on its
+    platform it runs instead of the class's forwards); with what was looked at."""
+    topk = importlib.import_module(targets.TOPK_MODULE).TopK
+    methods = routing_forwards(topk)
+    found = find_bypasses(topk, methods)
+    registry = getattr(topk, "_oot_forward_registry", None)  # platform key -> {op class -> forward}
+    for key, table in registry.items() if isinstance(registry, dict) else ():
+        for op, forward in table.items() if isinstance(table, dict) else ():
+            if isinstance(op, type) and issubclass(op, topk):
+                what = f"{getattr(forward, '__qualname__', forward)}, an out-of-tree forward for platform {key!r}"
+                found.append(Bypass(class_path(op), "forward", what, f"{class_path(topk)}.forward"))
+    return found, f"forward and {len(methods) - 1} forward_* methods of {describe([topk])}"
 
 
 def install(settings: EnvSettings) -> list[str]:

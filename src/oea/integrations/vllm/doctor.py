@@ -1,5 +1,5 @@
-"""``oea doctor vllm``: version, entry point, environment, hook targets and a self-test through vLLM's
-own ``CPURouter`` (no model, no server)."""
+"""``oea doctor vllm``: version, entry point, environment, hook targets, a self-test through vLLM's
+own ``CPURouter`` (no model, no server) and the router classes a platform may substitute (``router bypass``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,18 @@ import torch
 
 from oea.config import layer_configs
 from oea.config.settings import all_settings_from_env
+from oea.integrations import bypass
 from oea.integrations.deterministic import doctor_check
 from oea.integrations.doctor.common import check, check_call, entry_point_checks, installed_version
 from oea.integrations.vllm.placement import doctor_placement
-from oea.integrations.vllm.plugin import ROUTER_CLASSES, ROUTER_MODULE, batch_invariant_setting, register, router_spec
+from oea.integrations.vllm.plugin import (
+    ROUTER_CLASSES,
+    ROUTER_MODULE,
+    batch_invariant_setting,
+    register,
+    router_bypasses,
+    router_spec,
+)
 from oea.integrations.vllm.state import STATE
 from oea.routing import OEAConfig, active_experts, route, same_routing
 
@@ -46,7 +54,20 @@ def doctor_checks() -> list[dict[str, Any]]:
     checks.extend(_hook_target_checks())
     checks.append(_self_test())
     checks.append(check_call("ep placement", doctor_placement))
+    checks.append(bypass.doctor_check(_bypasses_as_served))  # last: it loads vLLM's plugins into this process
     return checks
+
+
+def _bypasses_as_served() -> tuple[list[bypass.Bypass], str]:
+    """``router_bypasses`` once this process holds the router classes a vLLM process would: vLLM's general plugins
+    run (one may substitute a router; ours wraps ``_compute_routing`` when the environment asks for OEA), and the
+    router modules imported, which resolves the platform (an out-of-tree platform plugin is imported then and may
+    define its router class)."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    found, looked_at = router_bypasses()
+    return found, f"{looked_at}, after vLLM's general plugins ran"
 
 
 def _check_environment() -> str:

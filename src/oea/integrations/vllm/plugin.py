@@ -11,6 +11,10 @@
   the decode flag on the model's device, compiles the numba kernels and starts ``OEA_TRACE_FILE``'s recording;
 * ``FusedMoERouter.supports_monolithic_kernels`` (vLLM >= 0.33) reports False, so no monolithic kernel
   routes inside itself and bypasses OEA.
+
+A router class substituted by a platform that overrides ``_compute_routing`` never calls the wrapper
+(``router_bypasses``, the rule: ``oea.integrations.bypass``): ``register`` warns once per such class, and at model
+load a layer routed by one keeps its own routing, counted as not rewritable.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from oea.config import (
     warn_unknown_variables,
 )
 from oea.config.settings import all_settings_from_env
+from oea.integrations.bypass import Bypass, class_path, describe, find_bypasses, find_safely, startup_warning
 from oea.integrations.deterministic import keep_engine_routing
 from oea.integrations.metrics import MetricsWriter
 from oea.integrations.recording.common import writable_settings
 from oea.integrations.recording.recorder import trace_path_problem
-from oea.integrations.runtime import wrap_method
+from oea.integrations.runtime import WRAPPED, wrap_method
 from oea.integrations.vllm.layers import load as load_layer_k0
 from oea.integrations.vllm.placement import setup as setup_ep_placements
 from oea.integrations.vllm.recording import start_recording
@@ -45,6 +50,8 @@ from oea.integrations.vllm.steps import begin_step, end_step, unreadable_specula
 from oea.integrations.vllm.targets import BATCH_INVARIANT_VARIABLE, ROUTER_CLASSES, ROUTER_MODULE
 from oea.kernels import choose_impl, route_fast
 from oea.routing import RouterSpec, unsupported_layer_message
+
+ROUTING_METHOD = "_compute_routing"  # the method of ROUTER_CLASSES the plugin wraps
 
 
 def register() -> None:
@@ -70,6 +77,8 @@ def register() -> None:
     STATE.settings, STATE.mode, STATE.timing, STATE.trace_settings = settings, mode, timing, trace
     wrapped = install_hooks()
     STATE.installed = True
+    if mode == "oea":  # a substituted router class defined by now: said at start-up (model load checks the rest)
+        startup_warning(router_bypasses, warn_once)
     cfg = settings.oea
     what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
     log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),
@@ -126,13 +135,34 @@ def install_hooks() -> list[str]:
         if name in STATE.originals or "_compute_routing" not in cls.__dict__:
             continue
         STATE.originals[name] = cls.__dict__["_compute_routing"]
-        cls._compute_routing = cpu_wrapper(STATE.originals[name]) if name == "CPURouter" else \
-            graph_wrapper(STATE.originals[name])
+        wrapper = cpu_wrapper(STATE.originals[name]) if name == "CPURouter" else graph_wrapper(STATE.originals[name])
+        setattr(wrapper, WRAPPED, True)  # what the bypass check recognises as OEA's hook
+        cls._compute_routing = wrapper
         wrapped.append(f"{name}._compute_routing")
     if STATE.mode == "oea":
         wrapped += _disable_monolithic()
     wrapped += _wrap_worker()
     return wrapped
+
+
+def hooked_router_classes() -> list[type]:
+    """vLLM's router classes whose ``_compute_routing`` the plugin wraps (``ROUTER_CLASSES``), those importable."""
+    found = []
+    for name, module in ROUTER_CLASSES.items():
+        try:
+            found.append(getattr(importlib.import_module(f"{ROUTER_MODULE}.{module}"), name))
+        except (ImportError, AttributeError):  # install_hooks warns about a missing class; the doctor fails it
+            continue
+    return found
+
+
+def router_bypasses() -> tuple[list[Bypass], str]:
+    """Every router class of this process (each wrapped class and all its subclasses: a platform's substituted
+    router is one) whose ``_compute_routing`` is not OEA's wrapper's, and what was looked at."""
+    hooked = hooked_router_classes()
+    found = [bypass for cls in hooked
+             for bypass in find_bypasses(cls, (ROUTING_METHOD,), wrapped=cls.__name__ in STATE.originals)]
+    return found, f"{ROUTING_METHOD} of {describe(hooked)}" if hooked else "no vLLM router class importable"
 
 
 def _disable_monolithic() -> list[str]:
@@ -227,6 +257,7 @@ def _after_load(model: torch.nn.Module) -> None:
     device = None
     found = 0
     rewritable = []  # (router id, layer, router): OEA_POLICY=ep reads each layer's expert placement
+    bypassed = _bypassed_classes()
     for name, module in model.named_modules():
         if device is None:
             param = next(module.parameters(recurse=False), None)
@@ -238,9 +269,13 @@ def _after_load(model: torch.nn.Module) -> None:
         spec, reason = router_spec(router)
         if spec is not None and getattr(module, "is_monolithic", False):
             spec, reason = None, "monolithic MoE kernel (routes inside the kernel)"
-        if spec is not None and type(router).__name__ not in STATE.originals:
+        bypass = bypassed.get(class_path(type(router)))
+        if bypass is not None:  # never calls the wrapper: one warning per class, the bypass check's words
+            spec, reason = None, ""
+            warn_once(bypass.key, bypass.message)
+        elif spec is not None and type(router).__name__ not in STATE.originals:
             spec, reason = None, f"router class {type(router).__name__} is not wrapped"
-        if spec is None:
+        if spec is None and reason:
             warn_once(f"unsupported:{reason}", unsupported_layer_message(name, reason))
         router._oea_router_id = len(STATE.routers)
         router._oea_layer = name
@@ -269,6 +304,12 @@ def _after_load(model: torch.nn.Module) -> None:
              STATE.mode, os.getpid(), _speculation_note())
     if found == 0:
         warn_once("no-routers", "the model has no vLLM MoE router; nothing to rewrite")
+
+
+def _bypassed_classes() -> dict[str, Bypass]:
+    """The router classes that bypass OEA's wrapper (by ``module.QualName``); a check that cannot run warns once
+    and finds none, so model load goes on."""
+    return {bypass.router: bypass for bypass in find_safely(router_bypasses, warn_once)}
 
 
 def _speculation_note() -> str:

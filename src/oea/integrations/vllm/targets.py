@@ -81,6 +81,8 @@ TARGETS: tuple[HookTarget, ...] = (
       for attribute in ("ep_size", "use_ep", "moe_parallel_config", "global_num_experts", "placement_strategy")),
     HookTarget("vllm.model_executor.layers.fused_moe.config", "FusedMoEParallelConfig", kind="class",
                why="oea doctor vllm: an EP = 8 expert map built by vLLM itself"),
+    HookTarget("vllm.plugins", "load_general_plugins",
+               why="oea doctor vllm: the router classes as a server process holds them (router bypass)"),
     HookTarget("vllm.distributed.eplb.eplb_state", "EplbState.rearrange", leading=("self",),
                why="wrapped: placements reread after an EPLB rebalance"),
     HookTarget("vllm.distributed.eplb.eplb_state", "EplbState.update_mapping", leading=("self",)),
