@@ -87,3 +87,32 @@ def test_routed_experts_without_sglang_capture_nothing_is_wrapped(monkeypatch: p
     kernel = torch.tensor([[1, 2]])
     capture_replay_ids(kernel, torch.tensor([[1, 1]]))
     assert fillers.REPLAY.swap(kernel) is kernel
+
+
+def test_routed_experts_sglang_hook_rewrite_hands_its_fillers_to_the_capture(monkeypatch: pytest.MonkeyPatch,
+                                                                             capturer: _Capturer) -> None:
+    """Through the plugin's ``_post_process_topk_ids`` hook in a DECODE forward (SGLang stand-ins): the ids it hands
+    on (the kernel's) have distinct fillers, and SGLang capturing those ids captures OEA's repeats instead."""
+    from sglang_stand_ins import FakeMode, fresh_state, topk_config, topk_module
+
+    import oea.integrations.sglang.routing as plugin_routing
+    from oea.config import settings_from_env
+    from oea.integrations import sglang as plugin
+    from oea.integrations.sglang.state import STATE
+
+    fresh_state(monkeypatch)
+    topk_module(monkeypatch)
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))  # 2 rows x k0 = 2: a union of <= 4
+    spec = plugin.router_spec_from_topk_config(topk_config(), 64)
+    ids, weights = route(logits, spec)
+    kwargs = dict(topk_ids=ids.to(torch.int32), topk_weights=weights, topk_config=topk_config(), router_logits=logits,
+                  layer_id=5, num_token_non_padded=None, expert_location_dispatch_info=None)
+    with plugin.forward_mode(FakeMode.DECODE):
+        _, new = plugin_routing.post_process_before(**kwargs)
+    kernel_ids = new["topk_ids"]
+    assert not bool(filler_slots(kernel_ids).any())  # SGLang's native MoE gets distinct ids
+    capturer.capture(layer_id=5, topk_indices=kernel_ids)  # what _post_process_topk_ids does next
+    want_ids, want_weights = route(logits, spec, OEAConfig(2))
+    assert torch.equal(capturer.captured[0].long(), want_ids) and capturer.captured[0].dtype == torch.int32
+    assert torch.equal(real_slots(capturer.captured[0]), want_weights != 0)
