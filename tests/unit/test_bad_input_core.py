@@ -34,7 +34,7 @@ def test_an_expert_placement_with_an_empty_device_is_refused() -> None:
 
 def test_an_unknown_policy_option_is_named_with_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match=r"policy 'budget' has no option 'nosuch'; its options are \['budget', "
-                                         r"'min_batch'\]"):
+                                         r"'min_batch', 'floor'\]"):
         make_policy("budget", budget=40, nosuch=1)
     assert policy_options("ep-oea") == ("placement", "boost_rank", "min_batch", "group_fill", "ep", "num_experts")
     assert make_policy("ep-oea", 3, ep=4, num_experts=16).placement.num_devices == 4

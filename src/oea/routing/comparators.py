@@ -1,14 +1,33 @@
-"""Competing batch-aware methods, re-implemented from their papers' descriptions (not their code).
+"""Competing batch-aware methods, re-implemented from their published descriptions (not their code).
 
 * ``BudgetConfig`` — XShare-like (batch-wide expert budget): choose a set of ``budget`` experts
-  greedily by the total gate mass the batch's tokens give them among their own top-k, then every
-  token takes its best k experts inside that set.
+  greedily by the total gate mass the batch's tokens give them among their own top-k; with
+  ``floor`` = f > 0 every token may also use its own top-f experts (XShare's ``top_per_token``); then
+  every token takes its best k experts inside its allowed set.
 * ``SubtractiveConfig`` — Lynx-like: start from the vanilla union and drop the least-used experts
   (fewest tokens; ties by gate mass) until at most ``target`` remain; tokens re-route to their best
   k among the survivors.
 
-Neither keeps a per-token quality floor (a token may lose all of its own top experts), which is the
-difference with OEA. Shape legend: M rows, N experts, k top-k.
+XShare's floor, as its vLLM pull request publishes it (vllm-project/vllm#35551, open; read at the PR
+commit 1e4517a7e171034551805bfbc7c3041fa6447e98: ``_prune_experts`` in
+``vllm/model_executor/layers/fused_moe/gpt_oss_triton_kernels_moe.py``, lines 233-299, applied at line 362
+before the model's own top-k at lines 364-366; the option ``MoEPruningConfig.top_per_token`` in
+``vllm/config/moe.py``, line 21, default 0 = off), in our words: XShare masks the router logits
+before the model's own top-k. A row stays unmasked on the union of two sets: the batch-wide set
+(the ``expert_budget`` experts with the largest logit summed over the M rows) and, when
+``top_per_token`` = f > 0, the row's own f best experts. The floor is per row (a token cannot use
+another token's floor experts), is never cut, and does not count against the budget: the two sets
+are chosen independently, so a batch may activate up to ``budget`` + M f experts. The model then
+routes on the masked logits as usual: each row's top-k inside its unmasked set, weighted by its own
+rule. With a budget below the model's k, XShare also unmasks every row's own top-k (lines 294-298).
+
+What this re-implementation keeps and changes: the floor exactly as above (``floor``, 0..k); the
+batch-wide set ranked by gate mass among each valid token's own top-k, not by summed logits; padding
+rows (``valid`` False) add no demand and no floor, as for every policy here; a budget below k leaves a
+row fewer than k experts (no comparison here reaches that case); weights are the router's own (for a
+router that softmaxes before its top-k, XShare's softmax runs over the masked logits). Without a floor neither
+comparator keeps a per-token quality floor (a token may lose all of its own top experts), which is
+the difference with OEA. Shape legend: M rows, N experts, k top-k.
 """
 
 from __future__ import annotations
@@ -19,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from oea.routing.policies import register_policy
-from oea.routing.ranking import KEY_MIN, top_indices
+from oea.routing.ranking import KEY_MIN, rank_keys, top_indices
 from oea.routing.scores import RouterScores
 from oea.routing.spec import RouterSpec
 
@@ -49,11 +68,29 @@ class _ExpertCountConfig:
 
 @dataclass(frozen=True)
 class BudgetConfig(_ExpertCountConfig):
-    """XShare-like batch-wide budget of ``budget`` experts (re-implementation)."""
+    """XShare-like batch-wide budget of ``budget`` experts (re-implementation), with XShare's per-token floor.
+
+    ``floor``: each token may also use its own top-``floor`` experts, on top of the budget (XShare's
+    ``top_per_token``; 0..top_k, checked against the router). 0, XShare's published default, is the
+    budget alone. The floor does not count against the budget (as in XShare), so any budget >= 1 goes
+    with any floor.
+    """
 
     COUNT: ClassVar[str] = "budget"
     budget: int
     min_batch: int = 2
+    floor: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.floor, int) or isinstance(self.floor, bool) or self.floor < 0:
+            raise ValueError(f"floor must be an integer in 0..top_k, got {self.floor!r}")
+
+    def check(self, spec: RouterSpec) -> None:
+        """The budget must fit the router's N, the floor its top_k."""
+        super().check(spec)
+        if self.floor > spec.top_k:
+            raise ValueError(f"floor must be in 0..top_k={spec.top_k} (the router's top_k), got floor={self.floor}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +112,8 @@ def _vanilla_mass(scores: RouterScores, vanilla_ids: torch.Tensor, valid: torch.
 
 
 def _best_k_inside(scores: RouterScores, allowed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's best k experts inside ``allowed`` [N] bool; filler = the row's first pick."""
+    """Each token's best k experts inside ``allowed`` ([N] bool, one set for the batch, or [M, N], one per
+    token); filler = the row's first pick."""
     candidate = allowed & (scores.fill > float("-inf"))  # [M, N]
     ids = top_indices(torch.where(candidate, scores.fill_key, KEY_MIN), k)
     keep = candidate.gather(1, ids)
@@ -86,10 +124,17 @@ def _best_k_inside(scores: RouterScores, allowed: torch.Tensor, k: int) -> tuple
 def budget_policy(
     scores: RouterScores, vanilla_ids: torch.Tensor, spec: RouterSpec, cfg: BudgetConfig, valid: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``budget`` experts by batch gate mass (only experts some token wants), then best-k inside."""
-    mass = _vanilla_mass(scores, vanilla_ids, valid)
-    chosen = mass.topk(cfg.budget).indices
-    allowed = torch.zeros_like(mass, dtype=torch.bool).scatter(0, chosen, True) & (mass > 0)
+    """Top-``budget`` experts by batch gate mass (only experts some token wants), plus each token's own
+    top-``floor`` (its row only), then best-k inside.
+
+    The literal loop is ``oea.routing.reference.reference_budget_route``.
+    """
+    mass = _vanilla_mass(scores, vanilla_ids, valid)  # [N]
+    chosen = top_indices(rank_keys(mass[None, :]), cfg.budget)[0]  # equal mass: the lower index, as everywhere
+    allowed = torch.zeros_like(mass, dtype=torch.bool).scatter(0, chosen, True) & (mass > 0)  # [N]
+    if cfg.floor > 0:  # XShare's top_per_token: per row, on top of the budget, never cut by it
+        own = torch.zeros_like(scores.weight, dtype=torch.bool).scatter(1, vanilla_ids[:, : cfg.floor], True)
+        allowed = allowed | own  # [M, N]; a padding row's floor is harmless: route() keeps that row vanilla
     return _best_k_inside(scores, allowed, spec.top_k)
 
 

@@ -9,9 +9,14 @@ outside what the comparison covers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from oea.routing.spec import OEAConfig, PrunedConfig, RouterSpec, require_tensor
+
+if TYPE_CHECKING:
+    from oea.routing.comparators import BudgetConfig
 
 
 def _family_scores(logits: list[float], spec: RouterSpec) -> tuple[list[float], list[float], list[bool]]:
@@ -139,4 +144,62 @@ def reference_route(
                 chosen.append(e)
         ids_out.append(chosen)
         w_out.append(_weights(chosen, family[i][1], spec.renormalize, spec.routed_scaling_factor))
+    return ids_out, w_out
+
+
+def reference_budget_route(
+    router_logits: torch.Tensor,
+    spec: RouterSpec,
+    cfg: BudgetConfig,
+    valid: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """The XShare-like budget comparator (``BudgetConfig``) with its per-token floor, token by token in float64.
+
+    The oracle of ``oea.routing.comparators.budget_policy``; the rule (and where XShare publishes it) is in
+    that module's docstring. Ranking as ``reference_route``: by score, equal scores to the lower expert index.
+
+    Args:
+        router_logits: [M, N] logits. ``valid``: optional [M] bool (False = padding row).
+
+    Returns:
+        For each row, its chosen expert ids, best first, and their weights, without filler slots (a row
+        may hold fewer than k experts).
+    """
+    require_tensor("router_logits", router_logits, "[M, N]")
+    if valid is not None:
+        require_tensor("valid", valid, "[M] bool (or None)")
+    m, n, k = router_logits.shape[0], spec.num_experts, spec.top_k
+    is_valid = [True] * m if valid is None else [bool(v) for v in valid.tolist()]
+    family = [_family_scores(logits, spec) for logits in router_logits.double().tolist()]
+    rankings = []  # each token's experts, best first, within its allowed groups
+    for select, _, allowed in family:
+        by_score = sorted(range(n), key=lambda e, s=select: -s[e])
+        rankings.append([e for e in by_score if allowed[e]])
+
+    def weights(i: int, chosen: list[int]) -> list[float]:
+        return _weights(chosen, family[i][1], spec.renormalize, spec.routed_scaling_factor)
+
+    vanilla = [rankings[i][:k] for i in range(m)]
+    if sum(is_valid) < cfg.min_batch:
+        return vanilla, [weights(i, vanilla[i]) for i in range(m)]
+
+    # The batch's demand: the weight every real token gives each expert of its own top-k.
+    mass = [0.0] * n
+    for i in range(m):
+        if is_valid[i]:
+            for e in vanilla[i]:
+                mass[e] += family[i][1][e]
+    by_mass = sorted(range(n), key=lambda e: -mass[e])  # stable: equal mass, lower index first
+    budget_set = {e for e in by_mass[: cfg.budget] if mass[e] > 0}  # an expert nobody wants is never bought
+
+    ids_out, w_out = [], []
+    for i in range(m):
+        if not is_valid[i]:  # padding keeps its own top-k and added nothing above
+            chosen = vanilla[i]
+        else:
+            floor = set(rankings[i][: cfg.floor])  # XShare's top_per_token: this token's own best, never cut
+            select = family[i][0]
+            chosen = [e for e in rankings[i] if (e in budget_set or e in floor) and select[e] > float("-inf")][:k]
+        ids_out.append(chosen)
+        w_out.append(weights(i, chosen))
     return ids_out, w_out

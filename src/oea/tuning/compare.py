@@ -1,7 +1,8 @@
 """Every policy side by side on one trace: a quality proxy against T and against the busiest EP device.
 
-Budget (XShare-like) and subtractive (Lynx-like) comparators are given OEA's measured mean T at each
-k0 as their target, so the comparison is at matched mean T.
+Budget (XShare-like, here without XShare's optional per-token floor: ``BudgetConfig.floor`` 0, XShare's
+default) and subtractive (Lynx-like) comparators are given OEA's measured mean T at each k0 as their
+target, so the comparison is at matched mean T (``oea compare-quality matched-t`` adds the floor).
 
 The quality proxy (``PROXIES``) is not a quality measurement: it is how much of its own router choice a
 token loses, averaged over tokens, layers and batches —
@@ -45,7 +46,8 @@ PROXIES: dict[str, tuple[str, str]] = {
 
 DISAGREEMENT = ("the proxy is not ΔCE and can rank policies differently: subtractive keeps the most of the "
                 "tokens' own choice at a given T and can win here, while on a real model (`oea compare-quality "
-                "matched-t`, embedded model) OEA has the lowest ΔCE at matched T; compare policies by ΔCE")
+                "matched-t`, embedded model) OEA's ΔCE at matched T is below subtractive's and the budget alone's, "
+                "and level with the budget given XShare's per-token floor; compare policies by ΔCE")
 
 
 def proxy_of(trace: Trace) -> str:

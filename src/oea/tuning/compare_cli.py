@@ -93,6 +93,7 @@ def _compare_quality(args: argparse.Namespace) -> int:
 
     check_unique(args.k0, "--k0")
     check_unique(args.batch_sizes, "--batch-sizes")
+    check_unique(args.floors, "--floors")
     torch.set_num_threads(args.threads)
     options: dict[str, Any] = {"positions": args.positions, "generate_tokens": 0}
     if args.num_batches is not None:
@@ -103,7 +104,7 @@ def _compare_quality(args: argparse.Namespace) -> int:
             options["progress"] = progress
         if args.study in ("matched-t", "both"):
             result["matched_t"] = [row for b in (args.batch_sizes or [16])
-                                   for row in matched_t_quality(args.model, b, args.k0, **options)]
+                                   for row in matched_t_quality(args.model, b, args.k0, args.floors, **options)]
         if args.study in ("adaptive", "both"):
             result["adaptive"] = adaptive_quality(args.model, args.batch_sizes or [1, 4, 16, 64], **options)
     if args.json:
@@ -142,12 +143,15 @@ def matched_t_table(rows: list[dict[str, Any]]) -> Any:
     """ΔCE of every policy at matched T (``matched_t_quality`` rows)."""
     from rich.table import Table
 
-    table = Table(title="ΔCE at matched T (budget / subtractive get OEA's measured T as their target)")
+    table = Table(title="ΔCE at matched T (budget / subtractive get OEA's measured T as their target; a budget "
+                        "with XShare's per-token floor gets the budget whose T is nearest OEA's)")
     for col in ("B", "policy", "k0 / target T", "T", "ΔCE vs vanilla", "verdict (paired)"):
         table.add_column(col, justify="left" if col in ("policy", "verdict (paired)") else "right")
     for r in rows:
         setting = "-" if r["k0"] is None and r.get("target_T") is None else (
             f"T={r['target_T']}" if r.get("target_T") is not None else str(r["k0"]))
+        if r.get("floor"):
+            setting += f" (budget {r['budget']})"
         table.add_row(str(r["batch_size"]), r["policy"], setting,
                       format_interval(r["mean_active_experts"], r["mean_active_experts_ci"]),
                       format_interval(r["delta_ce"], r["delta_ce_ci"], 4, signed=True), r["verdict"])
@@ -200,7 +204,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     q = commands.add_parser(
         "compare-quality", help="ΔCE of every policy on a real model (matched T; adaptive vs fixed k0)",
         description="Teacher-forced lock-step decode of held-out text (as `oea eval`): matched-t evaluates vanilla, "
-        "pruned and OEA at each k0, then budget and subtractive at OEA's measured T; adaptive compares "
+        "pruned and OEA at each k0, then budget (with each --floors per-token floor) and subtractive at OEA's "
+        "measured T; adaptive compares "
         "calibrated k0(B) schedules with fixed k0 over batch sizes.")
     q.add_argument("study", choices=["matched-t", "adaptive", "both"], help="which study to run")
     q.add_argument("--model", metavar="PATH", help="local HF MoE checkpoint with its tokenizer (default: the "
@@ -209,6 +214,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                              legacy_alias=True)
     q.add_argument("--k0", type=int_at_least(1), nargs="+", default=[2, 3, 4, 5], metavar="K0",
                    help="k0 values for matched-t, each in 1..top_k")
+    q.add_argument("--floors", type=int_at_least(0), nargs="+", default=[0, 1, 2], metavar="F",
+                   help="matched-t: the budget comparator's per-token floors (XShare's top_per_token; 0 = the budget "
+                        "alone), each evaluated at the k0 values above it (default: 0 1 2)")
     q.add_argument("--positions", type=int_at_least(1), default=32, help="decode steps (scored tokens) per window")
     q.add_argument("--num-batches", type=int_at_least(1), help="batches per B (default: ceil(16 / B))")
     q.add_argument("--threads", type=int_at_least(1), default=1, help="torch.set_num_threads")

@@ -1,7 +1,10 @@
 """The ΔCE versions of the policy comparisons, measured with ``oea eval`` on a real model.
 
 * ``matched_t_quality``: OEA and pruned at each k0, then budget and subtractive with OEA's measured
-  mean T as their target, all teacher-forced on held-out text at one batch size.
+  mean T as their target, all teacher-forced on held-out text at one batch size. The budget comparator
+  runs as XShare publishes it: with no per-token floor (its default) and with each floor in ``floors``
+  below k0; a floor adds experts on top of the budget (XShare's ``top_per_token``), so its budget is
+  found by bisection until the measured mean T is the nearest to OEA's.
 * ``adaptive_quality``: OEA at every k0 and batch size, then fixed-k0 and calibrated k0(B) schedules
   compared as points (mean ΔCE, mean T) averaged over the batch sizes; no extra runs are needed
   because a schedule applies OEA(k0(B)) at each B. Each point's interval combines the per-batch-size
@@ -10,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,24 +23,82 @@ from oea.tuning.calibrate import adaptive_schedule_from_eval
 
 
 def matched_t_quality(
-    model: Any = None, batch_size: int = 16, k0s: Sequence[int] = (2, 3, 4, 5), **eval_options: Any
+    model: Any = None,
+    batch_size: int = 16,
+    k0s: Sequence[int] = (2, 3, 4, 5),
+    floors: Sequence[int] = (0, 1, 2),
+    **eval_options: Any,
 ) -> list[dict[str, Any]]:
-    """Rows of ``oea.eval.evaluate`` for vanilla, pruned, OEA, budget and subtractive at matched T."""
+    """Rows of ``oea.eval.evaluate`` for vanilla, pruned, OEA, budget and subtractive at matched T.
+
+    ``floors``: the XShare per-token floors to compare (``BudgetConfig.floor``). Floor 0 (XShare's default, the
+    budget alone) gets OEA's rounded T as its budget, as subtractive does, and keeps the row label ``budget``; a
+    floor f >= 1 is evaluated where f < k0 (at f = k0 the floors alone are OEA's whole union, nothing is left to
+    share), labelled ``budget floor=f``, at the budget whose mean T is nearest OEA's (``_budget_at_matched_t``).
+    Every comparator row carries ``target_T`` (OEA's rounded T), ``budget`` and ``floor`` where they apply.
+    """
     from oea.eval import evaluate
 
+    for floor in floors:
+        if not isinstance(floor, int) or isinstance(floor, bool) or floor < 0:
+            raise ValueError(f"floors must be integers >= 0, got {list(floors)}")
     rows = evaluate(model, batch_sizes=[batch_size], k0s=list(k0s), policies=["vanilla", "pruned", "oea"],
                     **eval_options)
+    oea_rows = [row for row in rows if row["policy"] == "oea"]
     extra: list[tuple[str, BudgetConfig | SubtractiveConfig]] = []
-    for row in rows:
-        if row["policy"] == "oea":
-            target = max(1, round(row["mean_active_experts"]))
-            extra += [("budget", BudgetConfig(target)), ("subtractive", SubtractiveConfig(target))]
+    for row in oea_rows:
+        target = max(1, round(row["mean_active_experts"]))
+        if 0 in floors:
+            extra.append(("budget", BudgetConfig(target)))
+        extra.append(("subtractive", SubtractiveConfig(target)))
     more = evaluate(model, batch_sizes=[batch_size], k0s=[], policies=["vanilla"], extra_policies=extra,
                     **eval_options)
     for (_, cfg), row in zip(extra, [r for r in more if r["policy"] != "vanilla"], strict=True):
         row["target_T"] = cfg.expert_count
+        if isinstance(cfg, BudgetConfig):
+            row.update(budget=cfg.budget, floor=cfg.floor)
         rows.append(row)
+    for row in oea_rows:
+        for floor in sorted(f for f in set(floors) if 0 < f < row["k0"]):
+            found = _budget_at_matched_t(model, batch_size, row["mean_active_experts"], floor, **eval_options)
+            found["target_T"] = max(1, round(row["mean_active_experts"]))
+            rows.append(found)
     return rows
+
+
+def _budget_at_matched_t(
+    model: Any, batch_size: int, target: float, floor: int, **eval_options: Any
+) -> dict[str, Any]:
+    """The row of ``BudgetConfig(b, floor=floor)`` whose measured mean T is nearest ``target`` (ties: the smaller b).
+
+    The floor's experts come on top of the budget, so T is not b: bisect b in 1..ceil(target) for the largest b
+    whose mean T is at most ``target`` (T grows with b), then take b or b + 1, whichever T is nearer. Each trial is
+    one ``evaluate`` run of the same held-out batches (its vanilla rows are the paired reference).
+    """
+    from oea.eval import evaluate
+
+    label = f"budget floor={floor}"
+    tried: dict[int, dict[str, Any]] = {}
+
+    def run(budget: int) -> dict[str, Any]:
+        if budget not in tried:
+            found = evaluate(model, batch_sizes=[batch_size], k0s=[], policies=["vanilla"],
+                             extra_policies=[(label, BudgetConfig(budget, floor=floor))], **eval_options)
+            tried[budget] = next(r for r in found if r["policy"] == label)
+            tried[budget].update(budget=budget, floor=floor)
+        return tried[budget]
+
+    # Every bought expert is some real token's own top-k pick, so T >= b: the largest useful b is ceil(target).
+    top = max(1, math.ceil(target))
+    low, high = 1, top
+    while low < high:  # invariant: T(low) <= target, or low == 1
+        middle = (low + high + 1) // 2
+        if run(middle)["mean_active_experts"] <= target:
+            low = middle
+        else:
+            high = middle - 1
+    candidates = [run(low)] + ([run(low + 1)] if run(low)["mean_active_experts"] < target and low < top else [])
+    return min(candidates, key=lambda r: (abs(r["mean_active_experts"] - target), r["budget"]))
 
 
 def _t_stderr(row: dict[str, Any]) -> float:
