@@ -16,9 +16,10 @@ and one ``OEA_K0=3`` server serves both the behaviour and the recording checks. 
 their process groups right after the last test that uses them (``pytest_runtest_teardown``), on SIGTERM
 (``server_harness.stopping_servers``), and at the end of the session in any case.
 
-``sglang_k0_3_served`` sends the ``OEA_K0=3`` server all its traffic (two rounds of the 16 prompts together,
-then three prompts one at a time), stops it (SIGTERM: the recorder finishes its trace) and hands the tests
-what it answered and left: answers, metrics rows, trace, log.
+``sglang_k0_3_served`` sends the ``OEA_K0=3`` server all its traffic (two rounds of the 16 prompts together, two
+prompts together, then three prompts one at a time; routed experts returned for all but the last), stops it
+(SIGTERM: the recorder finishes its trace) and hands the tests what it answered and left: answers, metrics rows,
+trace, log.
 """
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ def sglang_k0_3_served(sglang_servers: dict[str, Any]) -> dict[str, Any]:
     from oea.launch.sglang_server import stop_server
 
     live = sglang_servers["k0_3"]
-    answers = [a for _ in range(sg.K0_3_ROUNDS) for a in sg.generate(live.url, sg.PROMPTS, sg.K0_3_TOKENS)]
+    answers = [a for _ in range(sg.K0_3_ROUNDS)
+               for a in sg.generate(live.url, sg.PROMPTS, sg.K0_3_TOKENS, routed_experts=True)]
+    pair = sg.generate(live.url, sg.PROMPTS[:2], sg.PAIR_TOKENS, routed_experts=True)
     one_by_one = sg.generate_one_by_one(live.url, sg.PROMPTS[:sg.ONE_BY_ONE], sg.ONE_BY_ONE_TOKENS)
     time.sleep(2.0)  # the metrics writer flushes every 0.5 s
     code = stop_server(live.server, grace=60.0)  # SIGTERM to the group; SIGKILL only after 60 s
     assert live.trace_path is not None
-    return {"answers": answers, "one_by_one": one_by_one,
+    return {"answers": answers, "pair": pair, "one_by_one": one_by_one,
             "metrics": sg.read_jsonl(Path(live.arm.env["OEA_METRICS_FILE"])), "trace_path": live.trace_path,
             "log": live.log(), "exit": code}

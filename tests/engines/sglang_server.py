@@ -12,7 +12,9 @@ is talking to.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from engine_venvs import ROOT, child_env, engine_python
 from server_harness import free_port
@@ -31,13 +34,19 @@ from oea.models import embedded_model_dir
 HEALTH_TIMEOUT_S = 900.0  # a 2-core machine shared with other jobs starts SGLang slowly
 REQUEST_TIMEOUT_S = 300.0
 EMBEDDED_TOP_K = 8  # the embedded model's num_experts_per_tok
+EMBEDDED_LAYERS = 4  # its num_hidden_layers (each with an MoE block)
 GLM_TOP_K = 4
 BAD_K0 = "three"
 K0_3_ROUNDS = 2  # rounds of the 16 prompts sent together to the OEA_K0=3 server
 K0_3_TOKENS = 24
+PAIR_TOKENS = 8  # then 2 prompts together (routing replay: a union of at most 2 x 3 < 8 experts, so fillers)
 ONE_BY_ONE = 3  # then this many prompts one request at a time (concurrency 1)
 ONE_BY_ONE_TOKENS = 12
 IDLE_ARGS = ("--sleep-on-idle",)  # an idle scheduler waits on its sockets instead of polling them without pause
+# Routed-experts return (routing replay): SGLang's flag, and the test support that lets a CPU server use it (its
+# capturer would pin a host buffer with cudaHostRegister: sglang_routed_experts/sitecustomize.py)
+ROUTED_EXPERTS_ARGS = ("--enable-return-routed-experts",)
+ROUTED_EXPERTS_SUPPORT = Path(__file__).resolve().parent / "sglang_routed_experts"
 PROMPTS = ("def parse_args(argv):\n    ", "class Config:\n    def __init__(self", "import os\nimport sys\n\n",
            "    for key, value in", "def main():\n    parser = ", "    return self._", "# Copyright",
            "try:\n    import ", "    if not isinstance(", "def __repr__(self):\n", "    raise ValueError(",
@@ -83,11 +92,14 @@ def server_arms(work: Path, modules: set[str]) -> list[Arm]:
     from tiny_checkpoint import write_tiny_checkpoint  # tests/support (pytest's pythonpath)
 
     arms = []
+    replay = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROUTED_EXPERTS_SUPPORT), os.environ.get("PYTHONPATH"))
+                                            if p)}
     if modules - {GLM_MODULE}:
         arms += [
-            Arm("off"),
-            Arm("k0_top_k", {"OEA_K0": str(EMBEDDED_TOP_K)}),
-            Arm("k0_3", {"OEA_K0": "3", "OEA_METRICS_FILE": str(work / "k0_3.metrics.jsonl")}, trace=True),
+            Arm("off", replay, args=ROUTED_EXPERTS_ARGS),
+            Arm("k0_top_k", {"OEA_K0": str(EMBEDDED_TOP_K), **replay}, args=ROUTED_EXPERTS_ARGS),
+            Arm("k0_3", {"OEA_K0": "3", "OEA_METRICS_FILE": str(work / "k0_3.metrics.jsonl"), **replay}, trace=True,
+                args=ROUTED_EXPERTS_ARGS),
             Arm("alias_3", {"SGLANG_OEA_K0": "3", "OEA_METRICS_FILE": str(work / "alias_3.metrics.jsonl")}),
             Arm("k0_9", {"OEA_K0": "9"}),  # more than the model's top_k: the router does not fit the settings
             Arm("bad", {"OEA_K0": BAD_K0}),
@@ -151,13 +163,23 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = REQUEST_TIM
         return json.loads(resp.read())
 
 
-def generate(url: str, prompts: Sequence[str], max_new_tokens: int = 24) -> list[dict[str, Any]]:
+def generate(url: str, prompts: Sequence[str], max_new_tokens: int = 24, routed_experts: bool = False
+             ) -> list[dict[str, Any]]:
     """Greedy completions of ``prompts`` sent as ONE ``/generate`` request (SGLang batches them together:
-    len(prompts) concurrent sequences); each answer's ``text`` and ``output_ids``."""
-    body = {"text": list(prompts), "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
-                                                       "ignore_eos": True}}
+    len(prompts) concurrent sequences); each answer's ``text`` and ``output_ids``; ``routed_experts``: also the
+    ids SGLang routed each token to (``return_routed_experts``; the server needs ``ROUTED_EXPERTS_ARGS``), decoded
+    into ``routed_experts`` [tokens, layers, top_k]."""
+    body: dict[str, Any] = {"text": list(prompts), "sampling_params": {"temperature": 0.0,
+                                                                       "max_new_tokens": max_new_tokens,
+                                                                       "ignore_eos": True}}
+    if routed_experts:
+        body["return_routed_experts"] = True
     answers = post(url, "/generate", body)
-    return [{"text": a["text"], "output_ids": a.get("output_ids"), "meta": a.get("meta_info", {})} for a in answers]
+    out = [{"text": a["text"], "output_ids": a.get("output_ids"), "meta": a.get("meta_info", {})} for a in answers]
+    for answer in out if routed_experts else ():
+        raw = np.frombuffer(base64.b64decode(answer["meta"]["routed_experts"]), dtype=np.int32)
+        answer["routed_experts"] = raw.reshape(-1, EMBEDDED_LAYERS, EMBEDDED_TOP_K).copy()
+    return out
 
 
 def generate_one_by_one(url: str, prompts: Sequence[str], max_new_tokens: int = 24) -> list[dict[str, Any]]:

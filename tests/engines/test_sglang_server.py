@@ -14,6 +14,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from engine_venvs import ROOT, child_env, engine_python
 from sglang_server import (
@@ -29,10 +30,12 @@ from sglang_server import (
 )
 
 import oea
+from oea.integrations.replay import filler_slots
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test starts 9 servers
 
 TOP_K = EMBEDDED_TOP_K
+K0_TOP_K_TOKENS = 24  # generate()'s default max_new_tokens
 SPEC = oea.RouterSpec(128, TOP_K, "softmax", True)  # its router (Qwen3-MoE, norm_topk_prob)
 
 
@@ -43,7 +46,13 @@ def servers(sglang_servers: dict[str, Live]) -> dict[str, Live]:
 
 @pytest.fixture(scope="module")
 def off(servers: dict[str, Live]) -> list[dict]:
-    return generate(servers["off"].url, PROMPTS)
+    return generate(servers["off"].url, PROMPTS, routed_experts=True)
+
+
+@pytest.fixture(scope="module")
+def top_k(servers: dict[str, Live]) -> list[dict]:
+    """The ``OEA_K0`` = top_k server's answers to the 16 prompts sent together, with their routed experts."""
+    return generate(servers["k0_top_k"].url, PROMPTS, routed_experts=True)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +65,18 @@ def _ids(answers: list[dict]) -> list[list[int]]:
     return [a["output_ids"] for a in answers]
 
 
-def test_sglang_server_k0_top_k_serves_the_same_greedy_text_as_oea_off(servers: dict[str, Live], off: list[dict]
-                                                                       ) -> None:
-    assert _ids(generate(servers["k0_top_k"].url, PROMPTS)) == _ids(off)
+def test_sglang_server_k0_top_k_serves_the_same_greedy_text_as_oea_off(off: list[dict], top_k: list[dict]) -> None:
+    assert _ids(top_k) == _ids(off)
     assert len({a["text"] for a in off}) > 1, "the model must generate text, not one constant answer"
+
+
+def test_sglang_server_routed_experts_at_k0_top_k_equal_oea_offs(off: list[dict], top_k: list[dict]) -> None:
+    """Routing replay (--enable-return-routed-experts): with OEA_K0 = top_k every returned id, prompt and generated
+    tokens alike, is the one the server returns with OEA off, slot for slot; no row repeats an expert."""
+    for answer, base in zip(top_k, off, strict=True):
+        assert answer["routed_experts"].shape == (answer["meta"]["prompt_tokens"] + K0_TOP_K_TOKENS - 1, 4, TOP_K)
+        assert np.array_equal(answer["routed_experts"], base["routed_experts"])
+        assert not bool(filler_slots(answer["routed_experts"]).any())
 
 
 def test_sglang_server_sglang_oea_k0_works_as_oea_k0(servers: dict[str, Live], off: list[dict], k0_3: list[dict]

@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_server import K0_3_ROUNDS, K0_3_TOKENS, ONE_BY_ONE, ONE_BY_ONE_TOKENS, PROMPTS
+import torch
+from sglang_server import K0_3_ROUNDS, K0_3_TOKENS, ONE_BY_ONE, ONE_BY_ONE_TOKENS, PAIR_TOKENS, PROMPTS
 from sglang_venv import ROOT, run_script_json
 
 import oea
 from oea.integrations.metrics import routed_hash
+from oea.integrations.replay import filler_slots
 from oea.integrations.sglang.fillers import distinct_fillers
 from oea.traces import load_trace
 
@@ -112,3 +114,36 @@ def test_sglang_server_simulate_lockstep_reproduces_the_servers_vanilla_t(served
     print(f"\noea simulate --mode lockstep B=16: vanilla T {simulated:.3f}; the server's over its {len(full)} 16-row "
           f"decode forwards {server_t:.3f} ({(simulated / server_t - 1) * 100:+.2f}%)", file=sys.stderr)
     assert abs(simulated / server_t - 1) <= 0.01
+
+
+def test_sglang_server_routed_experts_at_k0_3_are_the_routing_it_ran_with_recognisable_fillers(
+        served: dict[str, Any]) -> None:
+    """Routing replay (--enable-return-routed-experts; ``return_routed_experts`` on the first round of 16 and on the
+    pair of prompts sent together after the rounds): each generated token's returned ids, layer by layer, against
+    ``oea.route`` with k0 = 3 over the DECODE forward that fed it (the trace: its logits, request and position):
+    the row's distinct ids are exactly the experts the layer ran for the token with a non-zero weight, every other
+    slot a filler by ``oea.integrations.replay``'s rule (a repeat of an earlier id of the row). In the pair's
+    forwards (2 rows x k0 = 3 < 8 experts) every row holds fillers. Prompt tokens keep SGLang's routing: no
+    repeats."""
+    trace = load_trace(str(served["trace_path"]))
+    names = trace.meta["request_names"]
+    checked = 0
+    for answer, tokens, pair in [(a, TOKENS, False) for a in served["answers"][:len(PROMPTS)]] + \
+                                [(a, PAIR_TOKENS, True) for a in served["pair"]]:
+        ids, prompt = torch.from_numpy(answer["routed_experts"]), answer["meta"]["prompt_tokens"]
+        assert ids.shape == (prompt + tokens - 1, trace.num_layers, trace.spec.top_k)
+        assert not bool(filler_slots(ids[:prompt]).any()), "a prompt token's ids repeat an expert"
+        request = names.index(answer["meta"]["id"])
+        for position in range(prompt, ids.shape[0]):
+            row = int(torch.nonzero((trace.request_ids == request) & (trace.positions == position))[0])
+            step = trace.step_ids == trace.step_ids[row]
+            index = int(torch.nonzero(step)[0])  # the step's rows are contiguous, in the trace's order
+            assert int(step.sum()) == (2 if pair else len(PROMPTS)), "the requests were not decoded together"
+            for layer in range(trace.num_layers):
+                want_ids, want_weights = oea.route(trace.logits[step, layer], trace.spec, K0)
+                want, got = want_ids[row - index], ids[position, layer]
+                real = ~filler_slots(got)
+                assert set(got[real].tolist()) == set(want[want_weights[row - index] != 0].tolist()), (position, layer)
+                assert not pair or not bool(real.all()), f"a pair row without fillers: {got.tolist()}"
+                checked += 1
+    assert checked == (len(PROMPTS) * (TOKENS - 1) + 2 * (PAIR_TOKENS - 1)) * trace.num_layers, checked

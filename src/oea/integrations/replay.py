@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -30,7 +31,8 @@ def filler_slots(ids: Any) -> torch.Tensor:
     """[..., k] bool: True where the slot's id occurs in an earlier slot of its row (last axis): a zero-weight
     filler that a replaying trainer masks. Accepts a tensor or anything ``torch.as_tensor`` reads (a numpy array
     of any integer dtype, vLLM's ``uint8`` included)."""
-    values = torch.as_tensor(ids).long()  # uint8 / uint16 / int32 as returned, compared as int64
+    values = ids if isinstance(ids, torch.Tensor) else torch.from_numpy(np.array(ids, copy=True))
+    values = values.long()  # uint8 / uint16 / int32 as returned, compared as int64
     k = values.shape[-1]
     earlier = torch.ones(k, k, dtype=torch.bool, device=values.device).tril(-1)  # [j, i]: i < j
     return ((values[..., :, None] == values[..., None, :]) & earlier).any(dim=-1)
