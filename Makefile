@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 PIP_INSTALL := $(PIP) install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install demo test test-phases test-not-engine test-engines test-fast lint format soak engines-vllm engines-sglang cuda-wheels clean
+.PHONY: venv install demo test test-phases test-not-engine test-engines test-fast mutation lint format soak engines-vllm engines-sglang cuda-wheels clean
 
 # Runs an install script with its output in .cache/install-logs/<target>.log, then prints that log whole, its
 # duration and exit status: installs that run together (below) never interleave their output, nor with pytest's.
@@ -65,6 +65,18 @@ test-not-engine: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not engine" -x
+
+# Generated mutants (mutmut, docs/testing.md "Generated mutants") of the Python files under src/ that differ from
+# BASE (committed or not), or of PATHS (files or folders): each mutant runs the fast suite's tests that call its
+# function, in a scratch copy (.cache/mutation-generated), never the working tree. Prints the counts and each
+# survivor with its diff; exit 1 while a survivor is not named equivalent in docs/testing.md. KEEP=1 reruns the
+# last run's survivors against the current tests.
+BASE ?= HEAD~1
+PATHS ?=
+MUTATION_JOBS ?= 2
+mutation: $(STAMP)
+	nice -n 19 $(PY) scripts/mutation_generated.py --base $(BASE) --jobs $(MUTATION_JOBS) \
+	  $(if $(PATHS),--paths $(PATHS)) $(if $(KEEP),--keep)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts
