@@ -50,3 +50,40 @@ def test_rows_without_repeats_and_appended_columns_are_kept_and_a_lone_row_takes
     assert torch.equal(new_weights, weights)
     alone = torch.tensor([[5, 5, 5, 5]])
     assert distinct_fillers(alone, torch.tensor([[1.0, 0, 0, 0]]), 4, 8)[0].tolist() == [[5, 0, 1, 2]]
+
+
+def _literal_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of ``distinct_fillers`` row by row in Python (the oracle): a slot whose id an earlier slot of the
+    row holds gets weight 0 and the row's next free candidate (experts other rows route to, ascending, then
+    experts nobody routes to, ascending; ids clamped to 0..N for membership, N meaning none)."""
+    rows = [[min(max(int(e), 0), num_experts) for e in row[:k]] for row in ids.tolist()]
+    active = {e for row in rows for e in row if e < num_experts}
+    order = sorted(active) + [e for e in range(num_experts) if e not in active]
+    new_ids, new_weights = ids.clone(), weights.clone()
+    for m, row in enumerate(ids.tolist()):
+        free = iter(e for e in order if e not in set(rows[m]))
+        for j in range(k):
+            if row[j] in row[:j]:
+                new_ids[m, j] = next(free)
+                new_weights[m, j] = 0
+    return new_ids, new_weights
+
+
+def test_distinct_fillers_equal_the_literal_rule_on_random_calls() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for case in range(300):
+        n = int(torch.randint(8, 160, (1,), generator=gen))
+        k = int(torch.randint(2, min(n, 10) + 1, (1,), generator=gen))
+        m, s = int(torch.randint(1, 24, (1,), generator=gen)), case % 3
+        if case % 2:
+            k0 = int(torch.randint(1, k + 1, (1,), generator=gen))
+            ids, weights = route(torch.randn(m, n, generator=gen), RouterSpec(n, k, "softmax", True),
+                                 OEAConfig(k0, min_batch=1))
+        else:  # any ids, out-of-range ones included
+            ids = torch.randint(-1, int(torch.randint(1, n + 2, (1,), generator=gen)), (m, k), generator=gen)
+            weights = torch.rand(m, k, generator=gen)
+        ids = torch.cat([ids.to(torch.int32), torch.full((m, s), 5, dtype=torch.int32)], dim=1)
+        weights = torch.cat([weights.float(), torch.ones(m, s)], dim=1)
+        got, expected = distinct_fillers(ids, weights, k, n), _literal_fillers(ids, weights, k, n)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (case, ids)

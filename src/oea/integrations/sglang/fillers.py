@@ -23,6 +23,7 @@ the renamed tensor, it captures OEA's ids instead, whose fillers repeat the row'
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -41,29 +42,46 @@ def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_exper
     repeat the r-th expert of the row's free candidates: experts outside the row that some row of the call
     routes to (ascending id), then experts nobody routes to (ascending id). Rows without repeats and the s
     appended columns are returned as given. Graph-safe: fixed shapes, no host synchronisation.
+
+    Every row's candidates are one order of the call's experts (active ascending, then inactive ascending) with
+    the row's own experts left out; a row has d distinct experts and k - d repeats, so its r-th candidate lies
+    within the first d + (k - d) <= 2k - 1 experts of that order: only those are ranked ([L], L = min(N, 2k - 1)),
+    not all N per row (the hot path of every rewritten call).
     """
     m = ids.shape[0]
     if m == 0 or k < 2:
         return ids, weights
     routed = ids[:, :k].long()  # [M, k]
-    earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(-1)  # [j, i]: i < j
-    repeat = ((routed[:, :, None] == routed[:, None, :]) & earlier).any(dim=-1)  # [M, k]
-    in_row = torch.zeros(m, num_experts + 1, dtype=torch.bool, device=ids.device)
-    in_row.scatter_(1, routed.clamp(0, num_experts), True)  # an id out of range lands in the dummy column N
-    in_row = in_row[:, :num_experts]  # [M, N]
-    active = in_row.any(dim=0)  # [N] experts the call already runs
-    # Candidate order per row: active experts outside the row, then inactive ones, then the row's own (never
-    # reached: a row has at most k - 1 repeats and N - (k - repeats) >= repeats free experts).
+    repeat = ((routed[:, :, None] == routed[:, None, :]) & _earlier(k, ids.device)).any(dim=-1)  # [M, k]
+    clamped = routed.clamp(0, num_experts)  # an id out of range lands in the dummy column N
+    active = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
+    active = active.scatter(0, clamped.flatten(), True)[:num_experts]  # [N] experts the call already runs
     expert = torch.arange(num_experts, device=ids.device)
-    rank_key = torch.where(in_row, 2 * num_experts, torch.where(active, 0, num_experts)) + expert  # [M, N]
-    candidates = rank_key.argsort(dim=1)[:, : k]  # [M, k] ascending key: lower ids first within a class
-    which = (repeat.long().cumsum(dim=1) - 1).clamp(min=0)  # [M, k] the r-th repeat of its row
-    renamed = torch.where(repeat, candidates.gather(1, which), routed)
+    span = min(num_experts, 2 * k - 1)
+    order = (torch.where(active, 0, num_experts) + expert).topk(span, largest=False).indices  # [L] active first
+    free = ~(clamped[:, :, None] == order[None, None, :]).any(dim=1)  # [M, L] not one of the row's experts
+    which = repeat.long().cumsum(dim=1)  # [M, k] r at the row's r-th repeat (1-based)
+    position = torch.searchsorted(free.long().cumsum(dim=1), which).clamp(max=span - 1)  # the r-th free one
+    renamed = torch.where(repeat, order[position], routed).to(ids.dtype)
+    kept_weights = weights[:, :k].masked_fill(repeat, 0)
+    if ids.shape[1] == k and weights.shape[1] == k:
+        return renamed, kept_weights
     new_ids = ids.clone()
-    new_ids[:, :k] = renamed.to(ids.dtype)
+    new_ids[:, :k] = renamed
     new_weights = weights.clone()
-    new_weights[:, :k] = torch.where(repeat, torch.zeros_like(weights[:, :k]), weights[:, :k])
+    new_weights[:, :k] = kept_weights
     return new_ids, new_weights
+
+
+_EARLIER: dict[tuple[int, str], torch.Tensor] = {}  # (k, device) -> [k, k] bool, [j, i]: i < j
+
+
+def _earlier(k: int, device: torch.device) -> torch.Tensor:
+    key = (k, str(device))
+    mask = _EARLIER.get(key)
+    if mask is None:
+        mask = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=device).tril(-1)
+    return mask
 
 
 def capture_replay_ids(kernel_ids: torch.Tensor, replay_ids: torch.Tensor) -> None:
@@ -78,8 +96,8 @@ def capture_replay_ids(kernel_ids: torch.Tensor, replay_ids: torch.Tensor) -> No
 
 
 def _capturer() -> Any:
-    try:
-        module = importlib.import_module(CAPTURER_MODULE)
+    try:  # sys.modules first: import_module's own lookup costs microseconds in every rewritten call
+        module = sys.modules.get(CAPTURER_MODULE) or importlib.import_module(CAPTURER_MODULE)
     except ImportError:  # an SGLang without routed-experts capture
         return None
     getter = getattr(module, "get_global_experts_capturer", None)
