@@ -21,6 +21,9 @@ previous run against the current tests (after writing a test that should kill th
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import functools
 import json
 import os
 import re
@@ -45,6 +48,7 @@ COLUMNS = ("killed", "survived", "timeout", "no tests", "not checked", "other")
 # copies carry every mutant beside the function, so they fail on the unmutated copy
 SOURCE_TEXT_TESTS = ("test_architecture.py", "test_lean_package.py", "test_lean_wheel.py")
 PROGRESS = re.compile(r"(\d+)/(\d+)\s+🎉 (\d+)\s+🫥 (\d+)\s+⏰ (\d+)\s+🤔 (\d+)\s+🙁 (\d+)")
+GENERATED = " # type: ignore # mutmut generated"
 MUTANT_NAME = re.compile(r"`(oea(?:\.\w+)+\.x(?:_|ǁ)\S+?__mutmut_\d+)`")
 
 
@@ -194,12 +198,24 @@ def equivalent_mutants() -> set[str]:
     return set(MUTANT_NAME.findall(text[start: end if end >= 0 else len(text)]))
 
 
-def diff_of(name: str) -> str:
-    """The changed lines of one mutant (``mutmut show``), without the diff's header."""
-    out = subprocess.run([str(Path(sys.executable).with_name("mutmut")), "show", name], cwd=TREE, text=True,
-                         capture_output=True, check=False).stdout
-    lines = [ln for ln in out.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
-    return "\n".join("      " + ln for ln in lines)
+@functools.cache
+def functions_of(file: str) -> dict[str, str]:
+    """The source of each function (mutants and originals) in mutmut's copy of ``file``."""
+    source = (TREE / "mutants" / file).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    return {node.name: "\n".join(lines[node.lineno - 1: node.end_lineno]).replace(node.name, "f", 1)
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def diff_of(name: str, file: str) -> str:
+    """The lines one mutant changed (its function in mutmut's copy of ``file`` against the unmutated one)."""
+    function = name.rsplit(".", 1)[1]
+    bodies = functions_of(file)
+    original = bodies.get(function.rsplit("__mutmut_", 1)[0] + "__mutmut_orig", "").splitlines()
+    mutant = bodies.get(function, "").splitlines()
+    lines = [ln for ln in difflib.unified_diff(original, mutant, lineterm="", n=0)
+             if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    return "\n".join("      " + ln.replace(GENERATED, "") for ln in lines)
 
 
 def report(codes: dict[str, dict[str, int | None]], justified: set[str]) -> tuple[list[str], list[str]]:
@@ -207,6 +223,7 @@ def report(codes: dict[str, dict[str, int | None]], justified: set[str]) -> tupl
     total: Counter[str] = Counter()
     print(f"\n{'file':60} " + " ".join(f"{c:>9}" for c in COLUMNS))
     survivors = []
+    file_of = {}
     for file, by_name in codes.items():
         counts: Counter[str] = Counter()
         for name, code in by_name.items():
@@ -214,6 +231,7 @@ def report(codes: dict[str, dict[str, int | None]], justified: set[str]) -> tupl
             counts[status if status in COLUMNS else "other"] += 1
             if status == "survived":
                 survivors.append(name)
+                file_of[name] = file
         total += counts
         print(f"{file:60} " + " ".join(f"{counts[c]:>9}" for c in COLUMNS))
     print(f"{'total (' + str(sum(total.values())) + ' mutants)':60} " + " ".join(f"{total[c]:>9}" for c in COLUMNS))
@@ -222,7 +240,7 @@ def report(codes: dict[str, dict[str, int | None]], justified: set[str]) -> tupl
     if survivors:
         print(f"\nsurvivors: {len(unjustified)} unjustified, {len(equivalent)} named equivalent in docs/testing.md")
     for name in unjustified:
-        print(f"  SURVIVED {name}\n{diff_of(name)}")
+        print(f"  SURVIVED {name}\n{diff_of(name, file_of[name])}")
     for name in equivalent:
         print(f"  equivalent {name}")
     no_tests = [n for by_name in codes.values() for n, c in by_name.items() if STATUS.get(c) == "no tests"]

@@ -194,7 +194,8 @@ def metrics_checks(name: str, rows: Sequence[Mapping[str, Any]], k0: int | None,
     for r in rows:
         key = (r.get("pid"), r.get("rank", 0))
         if r["step"] <= last.get(key, -1):
-            problems.append(f"step {r['step']} after step {last[key]} (pid {key[0]})")
+            problems.append(f"step {r['step']} after step {last[key]} (pid {key[0]})" if key in last
+                            else f"step {r['step']} below 0 (pid {key[0]})")
         last[key] = r["step"]
         layers = int(r["layers"])
         lists = {f: r[f] for f in ("active", "active_stock", "routing_us") if f in r}
@@ -208,7 +209,7 @@ def metrics_checks(name: str, rows: Sequence[Mapping[str, Any]], k0: int | None,
             if not low <= active <= high:
                 problems.append(f"step {r['step']} layer {layer}: {active} active experts outside [{low}, {high}] "
                                 f"({r['rows']} rows)")
-            stock = r.get("active_stock", [None] * layers)[layer] if "active_stock" in r else None
+            stock = r["active_stock"][layer] if layer < len(r.get("active_stock", ())) else None
             if stock is not None and (active > stock or (not r["oea"] and active != stock)):
                 problems.append(f"step {r['step']} layer {layer}: {active} active, stock routing {stock} "
                                 f"({'rewritten' if r['oea'] else 'not rewritten'})")
