@@ -116,3 +116,35 @@ def test_routed_experts_sglang_hook_rewrite_hands_its_fillers_to_the_capture(mon
     want_ids, want_weights = route(logits, spec, OEAConfig(2))
     assert torch.equal(capturer.captured[0].long(), want_ids) and capturer.captured[0].dtype == torch.int32
     assert torch.equal(real_slots(capturer.captured[0]), want_weights != 0)
+
+
+def test_routed_experts_capture_lookup_compiles_without_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture swap runs inside torch.compile'd forwards (SGLang's compiled and graph-captured decode): it only
+    looks the capturer's module up, so Dynamo traces it with no import, and an SGLang that never imported the
+    module has no capturer to wrap."""
+    monkeypatch.delitem(sys.modules, fillers.CAPTURER_MODULE, raising=False)
+    kernel, replay = torch.tensor([[1, 2]]), torch.tensor([[1, 1]])
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def rewrite(ids: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
+        capture_replay_ids(ids, repeats)
+        return ids + 0
+
+    torch._dynamo.reset()
+    assert torch.equal(rewrite(kernel, replay), kernel)
+    assert fillers.CAPTURER_MODULE not in sys.modules
+
+
+def test_routed_experts_filler_mask_made_while_compiling_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mask made inside a compiled region stays out of the cache an eager call reads later."""
+    monkeypatch.setattr(fillers, "_EARLIER", {})
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def mask(x: torch.Tensor) -> torch.Tensor:
+        return fillers._earlier(3, x.device) & x
+
+    torch._dynamo.reset()
+    assert torch.equal(mask(torch.ones(3, 3, dtype=torch.bool)), torch.ones(3, 3, dtype=torch.bool).tril(-1))
+    assert fillers._EARLIER == {}
+    assert torch.equal(fillers._earlier(3, torch.device("cpu")), torch.ones(3, 3, dtype=torch.bool).tril(-1))
+    assert list(fillers._EARLIER) == [(3, "cpu")]

@@ -22,7 +22,6 @@ the renamed tensor, it captures OEA's ids instead, whose fillers repeat the row'
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
@@ -80,8 +79,15 @@ def _earlier(k: int, device: torch.device) -> torch.Tensor:
     key = (k, str(device))
     mask = _EARLIER.get(key)
     if mask is None:
-        mask = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=device).tril(-1)
+        mask = torch.ones(k, k, dtype=torch.bool, device=device).tril(-1)
+        if not _tracing_or_capturing(device):  # a tensor made in a traced or captured region must not outlive it
+            _EARLIER[key] = mask
     return mask
+
+
+def _tracing_or_capturing(device: torch.device) -> bool:
+    capturing = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return bool(torch.compiler.is_compiling() or capturing)
 
 
 def capture_replay_ids(kernel_ids: torch.Tensor, replay_ids: torch.Tensor) -> None:
@@ -96,9 +102,10 @@ def capture_replay_ids(kernel_ids: torch.Tensor, replay_ids: torch.Tensor) -> No
 
 
 def _capturer() -> Any:
-    try:  # sys.modules first: import_module's own lookup costs microseconds in every rewritten call
-        module = sys.modules.get(CAPTURER_MODULE) or importlib.import_module(CAPTURER_MODULE)
-    except ImportError:  # an SGLang without routed-experts capture
+    # Only a lookup, never an import: this runs inside torch.compile'd and graph-captured forwards, where Dynamo
+    # refuses importlib, and a capturer can only exist once SGLang has imported its module.
+    module = sys.modules.get(CAPTURER_MODULE)
+    if module is None:
         return None
     getter = getattr(module, "get_global_experts_capturer", None)
     return None if getter is None else getter()
