@@ -32,6 +32,7 @@ demo: $(STAMP)
 # .venv-sglang, .cache/cuda-wheels), so they run at once; one after the other they were ~40% of a fresh clone's
 # make test. make names the target that failed.
 install:
+	@$(PYTHON) scripts/check_free_space.py
 	@$(MAKE) --no-print-directory -j4 $(STAMP) engines-vllm engines-sglang cuda-wheels
 
 # The four environments install at once (as make install), ruff and the tests outside the `engine` marker run as
@@ -46,7 +47,9 @@ comma := ,
 TIMED = @t=$$(date +%s); status=0; $(1) || status=$$?; echo "make test: $(2) $$(( $$(date +%s) - t )) s, exit $$status"; \
 	exit $$status
 
+# A disk too full for the environments and scratch files stops here, in one line, before anything is written.
 test-phases:
+	@$(PYTHON) scripts/check_free_space.py
 	$(call TIMED,$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels,phase 1 (installs$(comma) ruff$(comma) non-engine tests))
 	$(call TIMED,$(MAKE) --no-print-directory test-engines,phase 2 (engine tests))
 
