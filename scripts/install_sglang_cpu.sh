@@ -18,6 +18,9 @@
 # torchvision then imports, and its compiled ops (nms, roi_align, decode_jpeg, ...) raise
 # torchvision's own "Couldn't load custom C++ ops" if called.
 #
+# numba: oea.kernels.route_fast's compiled CPU kernel (without it every rewritten routing call runs oea.route's
+# torch ops, ~120 us more per call on CPU: docs/benchmarks-serving.md); the version pyproject's dev extra pins.
+#
 # openai, partial-json-parser: the graph runners the plugin hooks to keep CUDA-graph padding rows out of
 # the OEA union (sglang.srt.model_executor.runner.decode_cuda_graph_runner, cpu_graph_runner) import them
 # (through sglang.srt.parser); openai at the version sglang 0.5.23 pins.
@@ -43,7 +46,7 @@ REQUIREMENTS=(
     "starlette==1.10.0" "msgspec==0.22.0" "pydantic==2.14.4" "pyzmq==27.3.0" "tqdm==4.70.1"
     "ipython==9.18.1" "aiohttp==3.14.5" "dill==0.4.1" "apache-tvm-ffi==0.1.11"
     "sentencepiece==0.2.3" "einops==0.8.2" "compressed-tensors==0.20.1" "gguf==0.19.0"
-    "torchvision==0.28.0" "openai==2.8.0" "partial-json-parser==0.2.1.1.post7"
+    "torchvision==0.28.0" "openai==2.8.0" "partial-json-parser==0.2.1.1.post7" "numba==0.68.1"
 )
 SERVER_REQUIREMENTS=(
     "fastapi==0.165.0" "uvicorn==0.54.0" "uvloop==0.23.0" "setproctitle==1.3.8" "python-multipart==0.0.34"
@@ -110,6 +113,10 @@ import sglang.srt.model_executor.cpu_graph_runner  # noqa: F401  (replay hooks: 
 import sglang.srt.model_executor.runner.decode_cuda_graph_runner  # noqa: F401
 import torchvision.extension
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: F401
+
+from oea.kernels import numba_available
+
+assert numba_available(), "numba missing: oea.route_fast would run oea.route's torch ops on every routing call"
 
 names = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
 assert "oea.integrations.sglang:register" in names, f"oea plugin entry point missing: {names}"
