@@ -18,6 +18,8 @@ Engine-free modules every adapter uses, so that no rule is written twice:
   returns (``filler_slots``) and ``ReplayIds``, which hands an engine's capture OEA's ids where its kernel runs others;
 * ``placement``: expert placements read from an engine (``OEA_POLICY=ep``), refreshed after a rebalance;
 * ``metrics``: the ``OEA_METRICS_FILE`` rows (``StepRecord``, ``MetricsWriter``);
+* ``prometheus``: the ``oea_*`` Prometheus series, fed by the metrics writer with the same records
+  (``Exporter``; ``OEA_PROMETHEUS_PORT``: ``serve_port``);
 * ``oea.integrations.recording``: ``OEA_TRACE_FILE``'s recorder (``recorder``), the file it writes
   (``trace_file``; the format's names: ``oea.trace_schema``) and what the engines' recording modules share
   around it (``common``);
