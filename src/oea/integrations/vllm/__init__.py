@@ -28,6 +28,8 @@ One job per file:
 * ``targets.py``: the vLLM names and parameters the plugin relies on (checked against the released wheels);
 * ``router_state.py``: one ``RouterState`` per numbered router, on the router (spec, layer-file entry, EP-aware
   config, kernel and buffers, trace slot, failed flag), and ``RouterCall``, one routing call's steps;
+* ``prometheus.py``: the ``oea_*`` Prometheus series (``oea.integrations.prometheus``) on vLLM's own
+  ``/metrics``, or from the rank-0 worker on ``OEA_PROMETHEUS_PORT``;
 * ``state.py``: the per-process state the others share;
 * ``doctor.py``: ``oea doctor vllm``.
 

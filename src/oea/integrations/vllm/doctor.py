@@ -23,6 +23,7 @@ from oea.integrations.vllm.plugin import (
     router_bypasses,
     router_spec,
 )
+from oea.integrations.vllm.prometheus import doctor_line as prometheus_doctor_line
 from oea.integrations.vllm.state import STATE
 from oea.routing import OEAConfig, active_experts, route, same_routing
 
@@ -54,6 +55,7 @@ def doctor_checks() -> list[dict[str, Any]]:
     checks.extend(_hook_target_checks())
     checks.append(_self_test())
     checks.append(check_call("ep placement", doctor_placement))
+    checks.append(check("prometheus export", *prometheus_doctor_line()))
     checks.append(bypass.doctor_check(_bypasses_as_served))  # last: it loads vLLM's plugins into this process
     return checks
 

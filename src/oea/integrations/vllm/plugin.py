@@ -42,6 +42,7 @@ from oea.integrations.recording.recorder import trace_path_problem
 from oea.integrations.runtime import WRAPPED, wrap_method
 from oea.integrations.vllm.layers import load as load_layer_k0
 from oea.integrations.vllm.placement import setup as setup_ep_placements
+from oea.integrations.vllm.prometheus import prepare_api_server, start_worker_export
 from oea.integrations.vllm.recording import start_recording
 from oea.integrations.vllm.routing import cpu_wrapper, define_cpu_op, graph_wrapper, oea_route_for
 from oea.integrations.vllm.speculative import read_speculation
@@ -79,6 +80,7 @@ def register() -> None:
     STATE.installed = True
     if mode == "oea":  # a substituted router class defined by now: said at start-up (model load checks the rest)
         startup_warning(router_bypasses, warn_once)
+        prepare_api_server()  # the oea_* series' way to vLLM's /metrics (prometheus.py)
     cfg = settings.oea
     what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
     log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),
@@ -290,13 +292,8 @@ def _after_load(model: torch.nn.Module) -> None:
         unreadable_speculation(problem)
     STATE.decode_flag = torch.zeros((), dtype=torch.bool, device=device or "cpu")
     _warm_up_kernels(device)
-    if STATE.settings is not None and STATE.settings.metrics_file and STATE.metrics is None:
-        problem = trace_path_problem(STATE.settings.metrics_file)  # the same test: a file this process writes
-        if problem is None:
-            STATE.metrics = MetricsWriter(STATE.settings.metrics_file, STATE.settings.metrics_flush_s, log)
-        else:
-            warn_once("metrics-path", f"OEA_METRICS_FILE={STATE.settings.metrics_file} cannot be written "
-                                      f"({problem}); serving without metrics")
+    if STATE.settings is not None and STATE.metrics is None:
+        _start_metrics()
     if STATE.trace_settings is not None and STATE.recorder is None:
         start_recording(STATE.trace_settings, STATE.model_runner, device)
     supported = sum(s is not None for s in STATE.specs)
@@ -304,6 +301,20 @@ def _after_load(model: torch.nn.Module) -> None:
              STATE.mode, os.getpid(), _speculation_note())
     if found == 0:
         warn_once("no-routers", "the model has no vLLM MoE router; nothing to rewrite")
+
+
+def _start_metrics() -> None:
+    """``OEA_METRICS_FILE``'s writer, fed with each step's record; with OEA on it also feeds the ``oea_*``
+    Prometheus series (``prometheus.py``), which need a writer even without a file."""
+    path = STATE.settings.metrics_file if STATE.settings is not None else None
+    problem = trace_path_problem(path) if path else None  # the same test: a file this process writes
+    if problem is not None:
+        warn_once("metrics-path", f"OEA_METRICS_FILE={path} cannot be written ({problem}); serving without metrics")
+        path = None
+    exporter = start_worker_export(getattr(STATE.model_runner, "model_config", None))
+    if path or exporter is not None:
+        STATE.metrics = MetricsWriter(path, STATE.settings.metrics_flush_s if STATE.settings else 0.5, log,
+                                      export=exporter)
 
 
 def _bypassed_classes() -> dict[str, Bypass]:

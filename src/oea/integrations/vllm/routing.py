@@ -166,6 +166,9 @@ def keep_stock_after_error(router_id: int, err: Exception) -> None:
         state = router_state(router_id)
         state.failed = True
         layer = state.name
+    if STATE.record is not None:  # this step's forward: not rewritten in every layer, and why
+        STATE.record.oea = False
+        STATE.record.passthrough[router_id] = "layer_failed"
     warn_once(f"raised:{router_id}", f"layer {layer}: OEA's routing raised {type(err).__name__}: {err}; the layer "
                                      "keeps vLLM's routing from now on, serving continues")
 
@@ -178,7 +181,15 @@ def cpu_route_body(router_logits: torch.Tensor, stock_weights: torch.Tensor, sto
         return _cpu_route(router_logits, stock_weights, stock_ids, router_id)
     except Exception as err:  # never into vLLM's forward pass
         keep_stock_after_error(router_id, err)
-        return stock_weights.clone(), stock_ids.clone()
+        weights, ids = stock_weights.clone(), stock_ids.clone()
+        try:  # the step's record still counts this layer (vLLM's routing), so the forward is not lost
+            call = RouterCall(router_state(router_id), router_logits.shape[0])
+            call.cfg = call.state.config(call.rows)
+            _count(call, weights, ids, stock_weights, stock_ids, "layer_failed")
+        except Exception as again:
+            warn_once(f"count-raised:{router_id}", f"router {router_id}: its failed call cannot be counted "
+                                                   f"({type(again).__name__}: {again}); serving continues")
+        return weights, ids
 
 
 def _cpu_route(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_ids: torch.Tensor,
@@ -202,10 +213,14 @@ def _cpu_route(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_i
     call.rewrite = STATE.decode and call.cfg is not None and spec is not None and \
         not keeps_every_top_k(call.cfg, spec) and not state.failed
     start = time.perf_counter() if STATE.timing else 0.0
+    why = None if call.rewrite else _kept_because(state, call.cfg)
     if call.rewrite:
         # 3. the real rows: enough of them for OEA_MIN_BATCH, and this rank's own (not gathered across DP)
         call.valid, call.num_valid = step_rows(call.rows)
-        call.rewrite = call.num_valid >= call.cfg.min_batch and not gathered_across_dp(call.rows)
+        if call.num_valid < call.cfg.min_batch:
+            call.rewrite, why = False, "below_min_batch"
+        elif gathered_across_dp(call.rows):
+            call.rewrite, why = False, "dp_gathered"
     if call.rewrite:
         # 4. OEA; 5. its output replaces vLLM's (the op returns it)
         weights, ids = oea_route_for(spec, router_logits, call.valid, router_id, cfg=call.cfg)  # type: ignore[arg-type]
@@ -216,16 +231,30 @@ def _cpu_route(router_logits: torch.Tensor, stock_weights: torch.Tensor, stock_i
             start = time.perf_counter()
             STATE.originals["CPURouter"](STATE.routers[router_id], None, router_logits, None)
             call.elapsed_us = (time.perf_counter() - start) * 1e6
-    _count(call, weights, ids, stock_weights, stock_ids)
+    _count(call, weights, ids, stock_weights, stock_ids, why)
     return weights, ids
 
 
+def _kept_because(state: RouterState, cfg: Any) -> str:
+    """Why a call keeps vLLM's routing before its rows are looked at (``PASSTHROUGH_REASONS``; only a decode or
+    verify step's reason is recorded)."""
+    if not STATE.decode:
+        return "verify_not_applied"  # recorded only in a verify step: the others are prefill
+    if state.failed:
+        return "layer_failed"
+    if cfg is None:
+        return "oea_off"
+    return "k0_covers_top_k"
+
+
 def _count(call: RouterCall, weights: torch.Tensor, ids: torch.Tensor, stock_weights: torch.Tensor,
-           stock_ids: torch.Tensor) -> None:
-    """The call into this step's ``OEA_METRICS_FILE`` record ([M, k] outputs, OEA's and vLLM's), or into the
-    rows routed outside any engine step."""
+           stock_ids: torch.Tensor, why: str | None = None) -> None:
+    """The call into this step's ``OEA_METRICS_FILE`` record ([M, k] outputs, OEA's and vLLM's; ``why``: the
+    reason it kept vLLM's routing), or into the rows routed outside any engine step."""
     record, router_id, rows = STATE.record, call.state.router_id, call.rows
     if record is not None:
+        if why is not None and (record.decode or record.verify):
+            record.passthrough[router_id] = why
         valid = call.valid
         if valid is None and not call.rewrite:
             valid = step_rows(rows)[0]
