@@ -202,7 +202,7 @@ def test_prometheus_trace_recorder_state(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("raw", ["abc", "0", "70000", "host:", ""])
 def test_prometheus_port_not_a_port(raw: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with pytest.raises(ValueError, match=f"{PORT_VARIABLE}=.* is not a port"):
+    with pytest.raises(ValueError, match=f"{PORT_VARIABLE} must be PORT or HOST:PORT"):
         parse_port(raw)
     with caplog.at_level(logging.WARNING):
         assert serve_port(str(tmp_path), raw, logging.getLogger("test")) is None

@@ -153,7 +153,7 @@ def test_prometheus_vllm_doctor_says_which_endpoint_is_live() -> None:
     ok, detail = vllm_prometheus.doctor_line({"OEA_K0": "3", "OEA_PROMETHEUS_PORT": "127.0.0.1:9400"})
     assert ok and "rank-0 worker on http://127.0.0.1:9400/metrics" in detail
     ok, detail = vllm_prometheus.doctor_line({"OEA_K0": "3", "OEA_PROMETHEUS_PORT": "nine"})
-    assert not ok and "OEA_PROMETHEUS_PORT='nine' is not a port" in detail
+    assert not ok and "OEA_PROMETHEUS_PORT must be PORT or HOST:PORT with PORT in 1..65535, got 'nine'" in detail
 
 
 def test_prometheus_vllm_bad_port_warns_once_and_serving_goes_on(
@@ -168,4 +168,5 @@ def test_prometheus_vllm_bad_port_warns_once_and_serving_goes_on(
         exporter = vllm_prometheus.start_worker_export(None)
     assert exporter is not None  # the series still reach vLLM's /metrics
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "OEA_PROMETHEUS_PORT='99999' is not a port" in warned[0]
+    assert len(warned) == 1
+    assert "OEA_PROMETHEUS_PORT must be PORT or HOST:PORT with PORT in 1..65535, got '99999'" in warned[0]

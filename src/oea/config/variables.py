@@ -81,6 +81,18 @@ def trace_path(var: str, raw: str) -> str:
     return raw
 
 
+def port(var: str, raw: str) -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT`` -> (host, port), host ``0.0.0.0`` when not given, PORT in 1..65535."""
+    host, _, number = raw.rpartition(":")
+    try:
+        value = int(number)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise ValueError(f"{var} must be PORT or HOST:PORT with PORT in 1..65535, got {raw!r}")
+    return host or "0.0.0.0", value
+
+
 def _same(value: Any) -> str:
     return str(value)
 
@@ -138,6 +150,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("OEA_TIMING", flag, "time each routing call in the worker", "0", readers=ENGINES, shows=_on),
     Variable("OEA_METRICS_FLUSH_S", number(unit=" of seconds"), "seconds between metrics-file flushes", "0.5",
              readers=ENGINES, shows=lambda v: f"every {v:g} s"),
+    Variable("OEA_PROMETHEUS_PORT", port, "also serve the oea_* Prometheus series from the rank-0 worker here "
+             "(PORT or HOST:PORT); a bad or taken port: one warning", readers=VLLM,
+             shows=lambda v: f"http://{v[0]}:{v[1]}/metrics"),
     Variable("OEA_TRACE_FILE", trace_path, "record decode-step routing to this .safetensors oea-trace",
              readers=ENGINES),
     Variable("OEA_TRACE_SAMPLE", number(1.0), "share of decode steps recorded, in (0, 1]", "1.0",

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from oea.config.variables import BY_NAME
 from oea.integrations.metrics import StepRecord
 
 PORT_VARIABLE = "OEA_PROMETHEUS_PORT"
@@ -264,15 +265,8 @@ def make_exporter(
 
 def parse_port(raw: str) -> tuple[str, int]:
     """``OEA_PROMETHEUS_PORT``'s value, ``PORT`` or ``HOST:PORT`` -> (host, port); host 0.0.0.0 when not given.
-    ``ValueError`` naming the variable and the allowed values."""
-    host, _, port = raw.strip().rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        number = 0
-    if not 1 <= number <= 65535:
-        raise ValueError(f"{PORT_VARIABLE}={raw!r} is not a port: give PORT or HOST:PORT with PORT in 1..65535")
-    return host or "0.0.0.0", number
+    ``ValueError`` naming the variable and the allowed values (the words of ``oea.config.variables``)."""
+    return BY_NAME[PORT_VARIABLE].parse(PORT_VARIABLE, raw.strip())
 
 
 def serve_port(directory: str, raw: str, log: logging.Logger) -> tuple[str, Any] | None:
