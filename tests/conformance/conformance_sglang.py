@@ -69,8 +69,8 @@ def run(scenario: dict[str, Any]) -> Outcome:
         for layer in range(LAYERS):
             out = topk.select_experts(hidden_states=torch.zeros(rows, 4), router_logits=logits(rows, layer),
                                       topk_config=config, layer_id=layer, num_token_non_padded=non_padded)
-            cached = STATE.specs.get(id(config))
-            spec = cached[2] if cached is not None and not isinstance(cached[2], str) else None
+            state = STATE.routers.get(layer)
+            spec = state.spec if state is not None else None
             layers.append(routed(out.topk_ids, out.topk_weights, spec, captured[:rows, layer].clone()))
     if plugin.rewrite_count() == rewrites and any("keeps the engine's own routing" in m for m in WARNINGS):
         return Outcome("stock", layers=layers)

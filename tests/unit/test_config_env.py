@@ -211,3 +211,17 @@ def test_k0_note_says_what_a_k0_above_every_preset_top_k_does() -> None:
     assert "routing is unchanged (k0 = top_k)" in k0_note(LARGEST_PRESET_TOP_K)
     assert k0_note(999).startswith("no model preset has top_k >= 999 (the largest is 8): a model whose top_k is "
                                    "below 999 is refused at load (OEA_K0 must be in 1..top_k)")
+
+
+def test_process_settings_complete_routing_settings_once() -> None:
+    """An adapter entered with routing settings alone (``settings_from_env``) gets the rest of the process's
+    settings (timing, metrics flush, trace) from the same environment; settings that hold them are kept as given."""
+    from oea.config.settings import all_settings_from_env, process_settings
+
+    env = {"OEA_K0": "2", "OEA_TIMING": "1", "OEA_METRICS_FLUSH_S": "7", "OEA_TRACE_FILE": "/tmp/t.safetensors"}
+    routing = settings_from_env(env)
+    assert (routing.timing, routing.metrics_flush_s, routing.trace, routing.process) == (False, 0.5, None, False)
+    full = process_settings(routing, env)
+    assert full == all_settings_from_env(env)
+    assert (full.timing, full.metrics_flush_s, full.trace.path, full.process) == (True, 7.0, "/tmp/t.safetensors", True)
+    assert process_settings(full, {}) is full

@@ -81,10 +81,6 @@ def _location_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module.get_global_expert_location_metadata = lambda: meta
     module.ExpertLocationMetadata = type("ExpertLocationMetadata", (), {"update": lambda self: None})
     monkeypatch.setitem(sys.modules, sglang_placement.LOCATION_MODULE, module)
-    monkeypatch.setattr(sglang_placement.CONFIGS, "configs", {})
-    monkeypatch.setattr(sglang_placement.CONFIGS, "details", {})
-    monkeypatch.setitem(sglang_placement._DEVICE, "metadata", None)
-    monkeypatch.setitem(sglang_placement._DEVICE, "device", None)
     return module
 
 

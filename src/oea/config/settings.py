@@ -31,7 +31,8 @@ class EnvSettings:
     """What the environment asks for. ``oea`` is None when OEA is off.
 
     ``settings_from_env`` reads the routing settings; ``all_settings_from_env`` every ``OEA_*`` setting of an
-    engine process (``timing``, ``metrics_flush_s``, ``trace`` too), once, for the plugins and their doctors.
+    engine process (``timing``, ``metrics_flush_s``, ``trace`` too: ``process`` True), once, for the plugins, their
+    recorders and their doctors; ``process_settings`` completes routing settings a caller read.
     """
 
     oea: OEAConfig | None
@@ -46,6 +47,7 @@ class EnvSettings:
     timing: bool = False  # OEA_TIMING (all_settings_from_env)
     metrics_flush_s: float = 0.5  # OEA_METRICS_FLUSH_S (all_settings_from_env)
     trace: TraceSettings | None = None  # OEA_TRACE_FILE and its options (all_settings_from_env; None: not recording)
+    process: bool = False  # timing, metrics_flush_s and trace were read from the environment (all_settings_from_env)
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
@@ -79,9 +81,18 @@ def all_settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     ``OEA_METRICS_FLUSH_S`` and ``OEA_TRACE_*``, in that order. Raises ``ValueError`` naming the first
     malformed variable."""
     env = os.environ if env is None else env
-    settings = settings_from_env(env)
+    return process_settings(settings_from_env(env), env)
+
+
+def process_settings(settings: EnvSettings, env: Mapping[str, str] | None = None) -> EnvSettings:
+    """``settings`` with the rest of an engine process's settings (``OEA_TIMING``, ``OEA_METRICS_FLUSH_S``,
+    ``OEA_TRACE_*``) read from ``env``, unless they already hold them (``process``): what an adapter entered
+    with routing settings alone (``settings_from_env``) runs on, each variable read once."""
+    if settings.process:
+        return settings
+    env = os.environ if env is None else env
     return replace(settings, timing=timing_from_env(env), metrics_flush_s=metrics_flush_interval(env),
-                   trace=trace_settings_from_env(env))
+                   trace=trace_settings_from_env(env), process=True)
 
 
 def timing_from_env(env: Mapping[str, str] | None = None) -> bool:

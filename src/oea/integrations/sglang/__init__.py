@@ -14,8 +14,10 @@ One job per file:
 * ``hooks.py``: the hooks SGLang calls around each forward (decode detection: ``forward_context`` where it
   carries the batch, else ``ModelRunner.forward`` and the graph captures), the plan of which hook goes on
   which target for the installed version, and whether each is in place;
-* ``routing.py``: the hot path, run in every routing call (``post_process_before`` -> ``rewrite_topk``), each
-  layer's config from ``oea.routing.LayerConfigs``;
+* ``routing.py``: the hot path, run in every routing call (``post_process_before`` -> ``rewrite_topk``) in
+  numbered steps, each layer's config from ``oea.routing.LayerConfigs``;
+* ``router_state.py``: one ``RouterState`` per MoE layer (spec, layer-file entry, EP-aware base config, kernel,
+  filler mask, trace slot, failed flag) and ``RouterCall``, one call's steps;
 * ``fillers.py``: the zero-weight filler slots of a rewritten row made distinct ids SGLang's native MoE can run;
 * ``padding.py``: which rows of a CUDA/CPU graph's padded batch are real;
 * ``placement.py``: ``OEA_POLICY=ep``, each layer's expert placement from SGLang's EP layout;

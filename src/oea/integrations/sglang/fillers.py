@@ -33,8 +33,8 @@ CAPTURER_MODULE = "sglang.srt.state_capturer.routed_experts"  # get_global_exper
 REPLAY = ReplayIds()
 
 
-def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_experts: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_experts: int,
+                     earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ids`` / ``weights`` [M, k + s] with each repeated id among a row's first ``k`` columns renamed.
 
     A slot is a repeat when an earlier slot of its row holds the same id; it gets weight 0 and the row's r-th
@@ -45,13 +45,15 @@ def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_exper
     Every row's candidates are one order of the call's experts (active ascending, then inactive ascending) with
     the row's own experts left out; a row has d distinct experts and k - d repeats, so its r-th candidate lies
     within the first d + (k - d) <= 2k - 1 experts of that order: only those are ranked ([L], L = min(N, 2k - 1)),
-    not all N per row (the hot path of every rewritten call).
+    not all N per row (the hot path of every rewritten call). ``earlier``: ``earlier_mask(k, device)``, when the
+    caller keeps one.
     """
     m = ids.shape[0]
     if m == 0 or k < 2:
         return ids, weights
     routed = ids[:, :k].long()  # [M, k]
-    repeat = ((routed[:, :, None] == routed[:, None, :]) & _earlier(k, ids.device)).any(dim=-1)  # [M, k]
+    mask = _earlier(k, ids.device) if earlier is None else earlier
+    repeat = ((routed[:, :, None] == routed[:, None, :]) & mask).any(dim=-1)  # [M, k]
     clamped = routed.clamp(0, num_experts)  # an id out of range lands in the dummy column N
     active = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
     active = active.scatter(0, clamped.flatten(), True)[:num_experts]  # [N] experts the call already runs
@@ -73,6 +75,13 @@ def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_exper
 
 
 _EARLIER: dict[tuple[int, str], torch.Tensor] = {}  # (k, device) -> [k, k] bool, [j, i]: i < j
+
+
+def earlier_mask(k: int, device: torch.device) -> torch.Tensor | None:
+    """The [k, k] mask ``distinct_fillers`` takes, for a caller to keep (None while tracing or capturing, where a
+    tensor made must not outlive the traced or captured region)."""
+    return None if _tracing_or_capturing(device) else torch.ones(k, k, dtype=torch.bool, device=device).tril(-1)
+
 
 
 def _earlier(k: int, device: torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import oea.integrations.sglang.padding as padding
-from oea.config import EnvSettings, metrics_flush_interval
+from oea.config import EnvSettings
 from oea.integrations.metrics import MetricsWriter, StepRecord, routed_hash
 from oea.integrations.recording.recorder import trace_path_problem
 from oea.integrations.runtime import tracing
@@ -44,6 +44,7 @@ class _Metrics:
     path: str | None = None  # OEA_METRICS_FILE (None once this process found it cannot write it)
     checked: bool = False  # whether this process tested that it can write ``path`` (at its first forward)
     timing: bool = False  # OEA_TIMING
+    flush_s: float = 0.5  # OEA_METRICS_FLUSH_S
     oea: bool = False  # OEA_K0 set: active_stock is counted, and a step is "oea" when every layer was rewritten
     writer: MetricsWriter | None = None
     record: StepRecord | None = None  # the open forward's record
@@ -56,9 +57,11 @@ class _Metrics:
 METRICS = _Metrics()  # one per process, never replaced
 
 
-def configure(settings: EnvSettings, timing: bool) -> None:
-    """Start-up: the metrics file (tested at this process's first forward, ``_writable``) and ``OEA_TIMING``."""
-    METRICS.timing, METRICS.oea = timing, settings.oea is not None
+def configure(settings: EnvSettings, timing: bool | None = None) -> None:
+    """Start-up: the metrics file (tested at this process's first forward, ``_writable``), its flush interval and
+    ``OEA_TIMING`` (``timing``: default ``settings.timing``), as the process's settings hold them."""
+    METRICS.timing, METRICS.oea = settings.timing if timing is None else timing, settings.oea is not None
+    METRICS.flush_s = settings.metrics_flush_s
     METRICS.path, METRICS.checked = settings.metrics_file or None, False
 
 
@@ -91,7 +94,7 @@ def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
             METRICS.depth -= 1
         return
     if METRICS.writer is None:
-        METRICS.writer = MetricsWriter(METRICS.path, metrics_flush_interval(), log)
+        METRICS.writer = MetricsWriter(METRICS.path, METRICS.flush_s, log)
     METRICS.step += 1
     METRICS.record = StepRecord(decode=mode_rerouted(mode), oea=METRICS.oea, verify=_holds(mode, "is_target_verify"),
                                 outside_rows=METRICS.writer.outside_rows,

@@ -19,17 +19,47 @@ be read, or a run without expert parallelism, keeps plain OEA with one warning p
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, MutableMapping
+from dataclasses import replace
 from typing import Any
 
 from oea.integrations.placement import EPLayerConfigs, describe_placement, placement_from_slots
 from oea.integrations.runtime import call_after, graph_capturing
+from oea.integrations.sglang.router_state import RouterState
 from oea.integrations.sglang.state import STATE, log, warn_once
 from oea.routing import EPOEAConfig, ExpertPlacement, OEAConfig
 from oea.routing.layered import EP_IGNORES_MAX_EXPERTS
 
 LOCATION_MODULE = "sglang.srt.eplb.expert_location"
 
-_DEVICE: dict[str, Any] = {"device": None, "metadata": None}
+
+
+class _LayerField(MutableMapping[Any, Any]):
+    """Layer id -> one field of its ``RouterState`` (layers where it is set): the storage of ``EPLayerConfigs``,
+    which then keeps nothing of its own."""
+
+    def __init__(self, name: str, unset: Any) -> None:
+        self.name, self.unset = name, unset
+
+    def __getitem__(self, layer_id: Any) -> Any:
+        state = STATE.routers.get(layer_id)
+        value = self.unset if state is None else getattr(state, self.name)
+        if value is self.unset or value == self.unset:
+            raise KeyError(layer_id)
+        return value
+
+    def __setitem__(self, layer_id: Any, value: Any) -> None:
+        setattr(STATE.routers[layer_id], self.name, value)  # a layer's placement is read for its state
+
+    def __delitem__(self, layer_id: Any) -> None:
+        self[layer_id]  # KeyError when unset
+        setattr(STATE.routers[layer_id], self.name, self.unset)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([key for key, state in STATE.routers.items() if getattr(state, self.name) != self.unset])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def read_layer_placement(layer_id: Any) -> tuple[ExpertPlacement | None, str]:
@@ -53,9 +83,6 @@ def read_layer_placement(layer_id: Any) -> tuple[ExpertPlacement | None, str]:
                                          meta.num_logical_experts, int(meta.ep_size), serving)
     except ValueError as err:
         return None, str(err)
-    device = _DEVICE["device"]
-    if device is not None:
-        placement = ExpertPlacement(placement.device_of_expert.to(device), placement.num_devices)
     replicated = len(slots) - len(set(slots))
     how = "static dispatch of this rank" if dispatch is not None else "first replica (no static dispatch)"
     return placement, f"{describe_placement(placement, replicated)}; SGLang EP layout, replicas: {how}"
@@ -78,42 +105,41 @@ def _local_dp_routing() -> str | None:
     return None
 
 
-CONFIGS = EPLayerConfigs(read_layer_placement, log)
+CONFIGS = EPLayerConfigs(read_layer_placement, log, configs=_LayerField("ep", None),
+                         details=_LayerField("ep_detail", ""))
 refresh = CONFIGS.refresh  # reread the placements after SGLang updated its metadata (EPLB); logs what changed
 
 
-def ep_config(cfg: OEAConfig, num_experts: int, layer_id: Any, device: Any = None) -> OEAConfig | EPOEAConfig:
+def ep_config(state: RouterState, cfg: OEAConfig, device: Any = None) -> OEAConfig | EPOEAConfig:
     """The layer's base config under ``OEA_POLICY=ep``: ``cfg`` (``OEA_K0``'s) as ``EPOEAConfig`` on the layer's
-    placement (read on ``device`` at the layer's first eager call), or ``cfg`` itself (plain OEA) when the policy
-    is ``oea`` or the layer has no usable placement. The layer's k0 (``OEA_LAYER_K0_FILE``) is composed on it by
-    ``oea.routing.LayerConfigs.config``, as in vLLM."""
-    settings = STATE.settings
-    if settings is None or settings.policy != "ep":
-        return cfg
+    placement (read on ``device`` at the layer's first eager call, kept on its ``RouterState``), or ``cfg`` itself
+    (plain OEA) when the layer has no usable placement. The layer's k0 (``OEA_LAYER_K0_FILE``) is composed on it
+    by ``oea.routing.LayerConfigs.config``, as in vLLM."""
+    layer_id = state.layer_id
     capturing = graph_capturing()
     meta = importlib.import_module(LOCATION_MODULE).get_global_expert_location_metadata()
-    if meta is not _DEVICE["metadata"] and not capturing:  # first call, or SGLang replaced its metadata
-        _DEVICE["metadata"] = meta
-        CONFIGS.configs.clear()
-        CONFIGS.details.clear()
-    built = CONFIGS.configs.get(layer_id)
-    if built is None and layer_id not in CONFIGS.details:
+    if meta is not state.ep_metadata and not capturing:  # first call, or SGLang replaced its metadata
+        state.ep_metadata, state.ep, state.ep_detail = meta, None, ""
+    if state.ep is None and not state.ep_detail:
         if capturing:
             warn_once(f"ep-capture:{layer_id}", f"OEA_POLICY=ep: layer {layer_id} was first met inside a CUDA-graph "
                                                 "capture, where its placement cannot be read; plain OEA there")
             return cfg
-        _DEVICE["device"] = device
         result = CONFIGS.build(layer_id, cfg)
         if isinstance(result, str):
             warn_once(f"ep:{result}", f"OEA_POLICY=ep: layer {layer_id} keeps plain OEA: {result}")
         else:
-            log.info("oea: EP-aware OEA on layer %s: %s", layer_id, CONFIGS.details[layer_id])
-        built = CONFIGS.configs.get(layer_id)
+            placement = result.placement
+            if device is not None:  # the captured graphs read it where the logits are, without a host copy
+                placement = ExpertPlacement(placement.device_of_expert.to(device), placement.num_devices)
+                state.ep = replace(result, placement=placement)
+            log.info("oea: EP-aware OEA on layer %s: %s", layer_id, state.ep_detail)
+    built = state.ep
     if built is None:
         return cfg
-    if built.placement.device_of_expert.numel() != num_experts:
-        warn_once(f"ep-size:{layer_id}", f"OEA_POLICY=ep: layer {layer_id} routes {num_experts} experts but its "
-                                         f"placement has {built.placement.device_of_expert.numel()}; plain OEA")
+    if built.placement.device_of_expert.numel() != state.num_experts:
+        warn_once(f"ep-size:{layer_id}", f"OEA_POLICY=ep: layer {layer_id} routes {state.num_experts} experts but "
+                                         f"its placement has {built.placement.device_of_expert.numel()}; plain OEA")
         return cfg
     return built
 

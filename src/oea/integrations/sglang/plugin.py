@@ -23,16 +23,8 @@ from typing import Any
 import oea.integrations.sglang.metrics as metrics
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
-from oea.config import (
-    EnvSettings,
-    blank_note,
-    blank_variables,
-    layer_configs,
-    timing_from_env,
-    trace_settings_from_env,
-    warn_unknown_variables,
-)
-from oea.config.settings import all_settings_from_env
+from oea.config import EnvSettings, blank_note, blank_variables, layer_configs, warn_unknown_variables
+from oea.config.settings import all_settings_from_env, process_settings
 from oea.integrations.bypass import Bypass, class_path, describe, find_bypasses, startup_warning
 from oea.integrations.deterministic import keep_engine_routing
 from oea.integrations.sglang.hooks import has_hook, hook_plan, resolve
@@ -66,7 +58,7 @@ def register() -> None:
         warn_once("blank", blank)
     warn_unknown_variables(warn=log.warning)  # OEA_K00=3 (a typo) would serve without OEA: said, not silent
     recording.configure(settings.trace, settings.apply_to_verify)  # unwritable OEA_TRACE_FILE: a warning, no recording
-    metrics.configure(settings, settings.timing)  # an unwritable OEA_METRICS_FILE: a warning, no metrics
+    metrics.configure(settings)  # an unwritable OEA_METRICS_FILE: a warning, no metrics
     if settings.oea is None and recording.TRACE.settings is None and metrics.METRICS.path is None:
         log.info("oea: OEA_K0 unset; SGLang routing unchanged")
         return
@@ -108,11 +100,9 @@ def install(settings: EnvSettings) -> list[str]:
         return []
     settings = keep_engine_routing(settings, deterministic_setting(), warn_once)  # as register (warned once)
     STATE.layers = None
-    STATE.layer_index.clear()
     STATE.layers = layer_configs(settings)  # errors name OEA_LAYER_K0_FILE and the file
-    STATE.settings = settings
+    STATE.settings = settings  # each layer's RouterState is made anew under these settings at its next call
     install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
-    STATE.specs.clear()
     if STATE.installed_targets:
         return list(STATE.installed_targets)
     try:
@@ -172,12 +162,11 @@ def install_without_registry(settings: EnvSettings) -> list[str]:
     Returns the patched targets. Versions without ``_post_process_topk_ids`` get an AROUND
     rewrite of ``select_experts``' output (EPLB remap must be off there; such calls pass through).
     """
-    settings = keep_engine_routing(settings, deterministic_setting(), warn_once)  # as register
-    STATE.settings = settings
+    settings = keep_engine_routing(process_settings(settings), deterministic_setting(), warn_once)  # as register
+    STATE.settings = settings  # each layer's RouterState is made anew under these settings at its next call
     install_ep_placements()  # OEA_POLICY=ep: an EPLB rebalance rereads the placements
-    STATE.specs.clear()
-    recording.configure(trace_settings_from_env(), settings.apply_to_verify)
-    metrics.configure(settings, timing_from_env())
+    recording.configure(settings.trace, settings.apply_to_verify)
+    metrics.configure(settings)
     patched: list[str] = []
     topk = importlib.import_module(targets.TOPK_MODULE)
     plan = hook_plan()

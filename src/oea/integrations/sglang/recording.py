@@ -10,14 +10,15 @@ side of ``oea.integrations.recording.recorder``.
   logits into the staging buffer, before OEA touches the routing, so the trace holds the router's own
   logits whether OEA is on or off. A layer is added the first time it routes outside a graph capture (the
   recorder and its file start with the first one); while a CUDA graph is captured the copy is captured
-  too, so every replay fills the buffer and a sampled step finds its rows there.
+  too, so every replay fills the buffer and a sampled step finds its rows there. Each layer's slot in the
+  recording is kept on its ``router_state.RouterState`` (``trace_slot``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from oea.config import TraceSettings
 from oea.integrations.recording.common import recording_meta, writable_settings
 from oea.integrations.recording.recorder import StepStaging, TraceRecorder, open_recorder, rank_path
 from oea.integrations.runtime import graph_capturing, process_rank
+from oea.integrations.sglang.router_state import UNDECIDED, RouterState
 from oea.integrations.sglang.state import STATE, decode_or_verify, log, warn_once
 from oea.routing import RouterSpec
 from oea.trace_schema import routes_alike
@@ -38,7 +40,6 @@ class _Trace:
     settings: TraceSettings | None = None
     recorder: TraceRecorder | None = None
     spec: RouterSpec | None = None  # the recorded layers' routing (without correction bias)
-    slots: dict[Any, int | None] = field(default_factory=dict)  # layer_id -> recorded layer (None: left out)
     step: int = 0  # decode forwards seen
     active: bool = False  # this forward is recorded
     depth: int = 0  # forward contexts entered (only the outermost one is a step)
@@ -92,17 +93,19 @@ def _recorded_mode(mode: Any) -> bool:
     return decode_or_verify(mode, TRACE.verify)
 
 
-def stage(layer_id: Any, router_logits: torch.Tensor, spec: RouterSpec | str) -> None:
-    """One routing call of a DECODE forward (``spec``: the layer's router, or why it passes through)."""
+def stage(state: RouterState, router_logits: torch.Tensor, spec: RouterSpec | str) -> None:
+    """One routing call of a DECODE forward in ``state``'s layer (``spec``: the layer's router, or why it passes
+    through); the layer's recorded slot is kept on its state."""
     if TRACE.settings is None:
         return
     capturing = graph_capturing()
-    slot = TRACE.slots.get(layer_id, -1)
-    if slot == -1:
+    slot = state.trace_slot
+    if slot == UNDECIDED:
+        layer_id = state.layer_id
         if capturing:
             warn_once("trace-capture", f"layer {layer_id} first routed inside a CUDA-graph capture; not recorded")
             return
-        slot = TRACE.slots[layer_id] = _add_layer(layer_id, router_logits, spec)
+        slot = state.trace_slot = _add_layer(layer_id, router_logits, spec)
     if slot is not None and (TRACE.active or capturing) and TRACE.recorder is not None:
         TRACE.recorder.staging.stage(slot, router_logits)
 

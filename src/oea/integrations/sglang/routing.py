@@ -13,7 +13,6 @@ a forward pass.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,14 +23,17 @@ import oea.integrations.sglang.metrics as metrics
 import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as recording
 import oea.integrations.sglang.targets as targets
-from oea.config import layer_configs
-from oea.integrations.sglang.fillers import capture_replay_ids, distinct_fillers
+from oea.integrations.sglang.fillers import (
+    capture_replay_ids,
+    distinct_fillers,
+    earlier_mask,
+)
 from oea.integrations.sglang.placement import ep_config
-from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
+from oea.integrations.sglang.router_state import RouterCall, RouterState, recorded_spec, router_state
+from oea.integrations.sglang.specs import UnsupportedRouting
 from oea.integrations.sglang.state import PHASE, STATE, decode_active, warn_once
-from oea.kernels import route_fast
+from oea.kernels import NumbaRouter, route_fast
 from oea.routing import (
-    LayerConfigs,
     OEAConfig,
     RouterSpec,
     keeps_every_top_k,
@@ -48,6 +50,7 @@ def rewrite_topk(
     spec: RouterSpec,
     cfg: OEAConfig,
     num_token_non_padded: torch.Tensor | int | None = None,
+    kernel: NumbaRouter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """OEA over SGLang's top-k output of one layer call.
 
@@ -59,6 +62,8 @@ def rewrite_topk(
         cfg: the OEA configuration.
         num_token_non_padded: rows >= this count are padding: excluded from the union and
             returned as SGLang produced them. ``None``: every row is real.
+        kernel: the layer's numba kernel prepared for ``spec`` and ``cfg``, given only for CPU logits outside
+            tracing; without it ``route_fast`` (numba on CPU, Triton on CUDA), or ``oea.route`` while Dynamo traces.
 
     Returns:
         ``(ids, weights)`` in the dtypes and shapes of ``topk_ids`` / ``topk_weights``, or
@@ -77,8 +82,12 @@ def rewrite_topk(
         valid = torch.arange(m, device=router_logits.device) < num_token_non_padded
     elif m < cfg.min_batch:
         return None
-    fast = route if torch.compiler.is_compiling() else route_fast  # numba on CPU, Triton on CUDA
-    ids, weights = fast(router_logits, spec, cfg, valid)
+    if kernel is not None:
+        ids, weights = kernel(router_logits, valid)
+    elif torch.compiler.is_compiling():
+        ids, weights = route(router_logits, spec, cfg, valid)
+    else:
+        ids, weights = route_fast(router_logits, spec, cfg, valid)
     rerouted = valid
     if valid is not None and cfg.min_batch > 1:
         rerouted = valid & (valid.sum() >= cfg.min_batch)
@@ -127,124 +136,91 @@ def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
     if PHASE.dynamic_bias:
         warn_once("dynamic-bias", "per-token dynamic_expert_bias routing (Bailing/Ling) passes through")
         return None
+    layer_id = kwargs.get("layer_id")
+    state = None
     try:
-        topk_config = kwargs["topk_config"]
         router_logits = kwargs["router_logits"]
-        spec = _spec_for(topk_config, router_logits.shape[1])
-        layer_id = kwargs.get("layer_id")
-        if isinstance(spec, str):
-            warn_once(f"unsupported:{spec}", unsupported_layer_message(layer_id, spec)
-                      + " (further layers with this routing: silently)")
+        state = router_state(layer_id, kwargs["topk_config"], router_logits.shape[1])
+        if _keeps_layer(state):
             return None
-        # 1. the config for these rows: the layer's base (OEA_K0's, or EP-aware on SGLang's placement) with its
-        # k0 from OEA_LAYER_K0_FILE, composed by the core as in every engine
-        entry = _layer_entry(layer_id)
-        if entry is False:
-            return None
-        base = ep_config(settings.oea, spec.num_experts, layer_id, router_logits.device)
-        cfg = _layer_configs().config(entry, router_logits.shape[0], base)
-        # 2. keep SGLang's routing where OEA changes nothing
-        if keeps_every_top_k(cfg, spec):
-            return None
-        result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg,
-                              padding.bound(router_logits, kwargs.get("num_token_non_padded")))
-        if result is not None:  # SGLang's native MoE miscounts a row's repeated ids (fillers.py)
-            replay_ids = result[0]  # what routed-experts capture returns: fillers repeat the row's own expert
-            result = distinct_fillers(result[0], result[1], spec.top_k, spec.num_experts)
-            capture_replay_ids(result[0], replay_ids)
+        call = RouterCall(state, router_logits.shape[0])
+        result = _route(call, kwargs, router_logits, layer_id)
     except UnsupportedRouting as why:
-        warn_once(f"unsupported:{why}", unsupported_layer_message(kwargs.get("layer_id"), str(why)))
+        warn_once(f"unsupported:{why}", unsupported_layer_message(layer_id, str(why)))
         return None
     except Exception as err:  # never take the server down from inside a forward pass
-        warn_once.exception(f"error:{type(err).__name__}:{kwargs.get('layer_id')}",
-                            f"routing rewrite failed on layer {kwargs.get('layer_id')}; passing through")
+        if state is not None and not torch.compiler.is_compiling():
+            state.failed = True  # SGLang's routing in this layer from now on: one warning, no retry every call
+        warn_once.exception(f"error:{type(err).__name__}:{layer_id}",
+                            f"routing rewrite failed on layer {layer_id}; passing through")
         return None
     if result is None:
         return None
-    if not torch.compiler.is_compiling():  # a Python counter traced by Dynamo would become a recompiling guard
+    if call.eager_cpu or not torch.compiler.is_compiling():  # a counter traced by Dynamo: a recompiling guard
         STATE.rewrites += 1
     return args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}
 
 
-def _layer_entry(layer_id: int | None) -> int | bool | None:
-    """Layer ``layer_id``'s entry of ``OEA_LAYER_K0_FILE`` (None without a file); False when the file has no entry
-    for the layer: it keeps SGLang's routing, with one warning."""
-    configs = _layer_configs()
-    if configs.schedule is None:
+def _keeps_layer(state: RouterState) -> bool:
+    """Whether the layer keeps SGLang's routing whatever the call: its routing raised before, OEA cannot rebuild
+    it, or the layer file has no entry for it (the last two said once)."""
+    if state.failed:
+        return True
+    if state.spec is None:
+        warn_once(f"unsupported:{state.why}", unsupported_layer_message(state.layer_id, state.why)
+                  + " (further layers with this routing: silently)")
+        return True
+    if state.missing:
+        warn_once(f"layer-k0-missing:{state.layer_id}", unsupported_layer_message(state.layer_id, state.missing))
+        return True
+    return False
+
+
+def _route(call: RouterCall, kwargs: dict[str, Any], router_logits: torch.Tensor, layer_id: Any
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One routing call of layer ``layer_id`` in numbered steps; the new (ids, weights), or None (SGLang's kept)."""
+    state = call.state
+    spec = state.spec
+    assert spec is not None and state.settings is not None and state.settings.oea is not None
+    # 1. the config for these rows: the layer's base (OEA_K0's, or EP-aware on SGLang's placement) with its k0 from
+    # OEA_LAYER_K0_FILE, composed by the core as in every engine
+    base = state.settings.oea
+    if state.settings.policy == "ep":
+        base = ep_config(state, base, router_logits.device)
+    call.cfg = cfg = state.config(base, call.rows)
+    # 2. keep SGLang's routing where OEA changes nothing
+    call.keep = keeps_every_top_k(cfg, spec)
+    if call.keep:
         return None
-    try:
-        index = STATE.layer_index[layer_id] if layer_id in STATE.layer_index else \
-            STATE.layer_index.setdefault(layer_id, configs.index(layer_id=layer_id))
-    except ValueError as err:
-        STATE.layer_index[layer_id] = None
-        warn_once(f"layer-k0-missing:{layer_id}", unsupported_layer_message(layer_id, str(err)))
-        return False
-    return False if index is None else index
-
-
-def _layer_configs() -> LayerConfigs:
-    """``STATE.layers``, rebuilt when the settings were replaced (``install`` builds it at start-up, where a bad
-    file stops the process)."""
-    settings = STATE.settings
-    configs = STATE.layers
-    if configs is None or settings is None or configs.default is not settings.oea:
-        configs = STATE.layers = layer_configs(settings) if settings is not None else LayerConfigs(None)
-        STATE.layer_index.clear()
-    return configs
+    # 3. the real rows: SGLang's count of them, or OEA's own where SGLang keeps none
+    call.non_padded = padding.bound(router_logits, kwargs.get("num_token_non_padded"))
+    # 4-5. OEA over the real rows, spliced into SGLang's output (layer_id: the chaos tests' switch reads it here)
+    call.eager_cpu = eager_cpu = router_logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    kernel = state.prepared_kernel(router_logits, cfg) if eager_cpu else None
+    result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg, call.non_padded,
+                          kernel=kernel)
+    if result is None:
+        return None
+    call.rerouted = True
+    # 6. fillers SGLang's native MoE can run (it miscounts a row's repeated ids: fillers.py); routed-experts capture
+    # still returns OEA's ids, whose fillers repeat the row's own expert
+    if state.earlier is None:
+        state.earlier = earlier_mask(spec.top_k, router_logits.device)
+    ids, weights = distinct_fillers(result[0], result[1], spec.top_k, spec.num_experts, state.earlier)
+    capture_replay_ids(ids, result[0])
+    return ids, weights
 
 
 def _record(kwargs: dict[str, Any]) -> None:
     """Stage this call's router logits for ``OEA_TRACE_FILE`` (``recording.stage``); never raises."""
     try:
         router_logits = kwargs["router_logits"]
-        spec = _spec_for(kwargs["topk_config"], router_logits.shape[1])
-        if PHASE.dynamic_bias:
-            spec = "per-token dynamic_expert_bias routing"
-        recording.stage(kwargs.get("layer_id"), router_logits, spec)
+        state = router_state(kwargs.get("layer_id"), kwargs["topk_config"], router_logits.shape[1])
+        spec = "per-token dynamic_expert_bias routing" if PHASE.dynamic_bias else recorded_spec(state)
+        recording.stage(state, router_logits, spec)
     except Exception as err:  # never take the server down from inside a forward pass
         warn_once(f"trace-error:{type(err).__name__}", f"recording failed ({type(err).__name__}: {err}); "
                                                        "routing goes on")
-
-
-def _spec_for(topk_config: Any, num_experts: int) -> RouterSpec | str:
-    """Cached per ``TopKConfig`` instance: its ``RouterSpec``, or the reason it passes through."""
-    cached = STATE.specs.get(id(topk_config))
-    if cached is not None and cached[0] is topk_config and cached[1] == num_experts:
-        return cached[2]
-    settings = STATE.settings
-    try:
-        reason = _unsupported_setup(topk_config)
-        if reason:
-            raise UnsupportedRouting(reason)
-        spec: RouterSpec | str = router_spec_from_topk_config(
-            topk_config, num_experts, scaling_fused=_scaling_fused(topk_config))
-        if settings is not None and settings.oea is not None:
-            _layer_configs().check_router(spec)  # the settings must fit the router, as at vLLM's or transformers' start
-    except UnsupportedRouting as why:
-        spec = str(why)
-    except ValueError as err:  # the settings do not fit this router: the words every adapter uses
-        spec = str(err)
-    STATE.specs[id(topk_config)] = (topk_config, num_experts, spec)
-    return spec
-
-
-def _unsupported_setup(topk_config: Any) -> str | None:
-    topk = importlib.import_module(targets.TOPK_MODULE)
-    if getattr(topk, "_use_aiter", False):
-        return "AMD aiter routing (SGLANG_USE_AITER=1)"
-    if getattr(topk, "_is_npu", False):
-        return "Ascend NPU routing"
-    if getattr(topk_config, "allow_routed_experts_capture", True) is False:
-        return "speculative draft-model TopK"
-    return None
-
-
-def _scaling_fused(topk_config: Any) -> bool:
-    topk = importlib.import_module(targets.TOPK_MODULE)
-    fused = getattr(topk, "is_routed_scaling_factor_fused_in_topk", None)
-    if fused is not None:
-        return bool(fused(topk_config))
-    return bool(getattr(topk_config, "apply_routed_scaling_factor_on_output", False))
 
 
 def select_experts_around_legacy(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -3,7 +3,8 @@
 The phase hooks (``hooks.py``) push each forward's ``ForwardMode`` on a per-thread stack; the rewrite
 (``routing.py``) reads it through ``decode_active``. A decode CUDA graph captured under the stack bakes
 OEA in, prefill/extend graphs bake it out. Beside each mode they push the batch's row frame
-(``padding.py``), and ``State`` holds the per-device count of real rows that captured routing reads.
+(``padding.py``), and ``State`` holds the per-device count of real rows that captured routing reads, and
+each MoE layer's ``router_state.RouterState`` (``routers``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from oea.config import EnvSettings
 from oea.integrations.runtime import WarnOnce
-from oea.routing import LayerConfigs, RouterSpec
+from oea.routing import LayerConfigs
 
 log = logging.getLogger("oea.integrations.sglang")
 
@@ -43,9 +44,8 @@ class State:
     rewrite_hook_seen: bool = False
     rewrites: int = 0
     layers: LayerConfigs | None = None  # every layer's config per batch size (OEA_K0, OEA_LAYER_K0_FILE)
-    layer_index: dict[Any, int | None] = dataclasses.field(default_factory=dict)  # layer_id -> entry of the file
-    # id(topk_config) -> (config, E, its RouterSpec or the reason it passes through)
-    specs: dict[int, tuple[Any, int, RouterSpec | str]] = dataclasses.field(default_factory=dict)
+    # layer_id -> the layer's router_state.RouterState: the one place per-layer facts live
+    routers: dict[Any, Any] = dataclasses.field(default_factory=dict)
     warned: set[str] = dataclasses.field(default_factory=set)
     # padding.py: device -> persistent 0-dim int32 count of real rows (and its last written value)
     padding_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
