@@ -21,6 +21,7 @@ import pathlib
 from typing import Any
 
 from oea.integrations.doctor.common import Check, check
+from oea.integrations.doctor.judge import Served, served_verdicts
 from oea.stats import mean_interval
 
 REQUIRED_FIELDS: tuple[str, ...] = ("decode", "oea", "rows", "active")
@@ -85,43 +86,17 @@ def engagement(rows: list[dict[str, Any]], min_batch: int) -> dict[str, Any]:
 
 
 def served_checks(path: str | pathlib.Path, min_batch: int) -> list[Check]:
-    """The doctor's ``served`` block for one metrics file (fields in the module docstring)."""
+    """The doctor's ``served`` block for one metrics file (fields in the module docstring; the verdicts:
+    ``oea.integrations.doctor.judge``, shared with ``--metrics-url``)."""
     try:
         rows = read_metrics(path)
     except ValueError as err:
         return [check("metrics file", False, str(err))]
     found = engagement(rows, min_batch)
-    decode, eligible, engaged = found["decode_forwards"], found["eligible"], found["engaged"]
-    checks = [check("metrics file", decode > 0,
-                    f"{path}: {len(rows)} forwards, {decode} decode on rank(s) {found['ranks']}" if decode else
-                    f"{path}: {len(rows)} forwards, none of them decode: send traffic that generates tokens")]
-    if not decode:
-        return checks
-    if not eligible:
-        checks.append(check("OEA engaged", False, f"no decode forward had >= {min_batch} real rows (min_batch): "
-                                                  f"nothing to engage on; serve at a concurrency >= {min_batch}"))
-    elif not engaged:
-        checks.append(check("OEA engaged", False, f"OEA engaged in 0 of {eligible} decode forwards with >= "
-                                                  f"{min_batch} real rows: the routing hook never rewrote a decode "
-                                                  "step (OEA_K0 unset on the server, or its decode detection never "
-                                                  "fired): run `oea doctor` in the server's environment"))
-    else:
-        rest = "" if engaged == eligible else (f"; the other {eligible - engaged} kept the engine's routing in at "
-                                               "least one layer (see the server log's `oea:` warnings)")
-        checks.append(check("OEA engaged", True, f"OEA engaged in {engaged} of {eligible} decode forwards with >= "
-                                                 f"{min_batch} real rows ({100 * engaged / eligible:.0f}%){rest}"))
-    if eligible:
-        stock = found["active_stock"]
-        ratio = f" = {sum(found['active']) / sum(stock):.2f}x" if stock and sum(stock) else ""
-        checks.append(check("active experts", True,
-                            f"per layer and decode forward{'' if engaged else ' (not rewritten)'}: "
-                            f"{_mean(found['active'])} vs the engine's own routing of the same logits "
-                            f"{_mean(stock)}{ratio}"))
-    if found["padded"]:
-        checks.append(check("padding rows", True,
-                            f"{found['padded']} of {decode} decode forwards carried CUDA-graph padding rows "
-                            f"(mean {_mean(found['padding_rows'])}); they keep the engine's own routing, and a MoE "
-                            "kernel that runs every row loads their experts although no real token needs them (not "
-                            "counted in `active`); capturing every decode batch size your traffic reaches avoids "
-                            "them (docs/sglang.md, 'Why the reference deployment measured ~0%')"))
-    return checks
+    stock = found["active_stock"]
+    return served_verdicts(Served(
+        source=f"{path}: {len(rows)} forwards", forwards=len(rows), decode=found["decode_forwards"],
+        ranks=found["ranks"], eligible=found["eligible"], engaged=found["engaged"],
+        min_batch=min_batch, active=_mean(found["active"]), stock=_mean(stock),
+        ratio=sum(found["active"]) / sum(stock) if stock and sum(stock) else None,
+        padded=found["padded"], padding=_mean(found["padding_rows"])))

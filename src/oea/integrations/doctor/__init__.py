@@ -9,7 +9,10 @@ One job per file:
   ``oea.kernels.doctor_gpu``, beside the kernels it checks;
 * ``common.py``: the pieces every engine's doctor uses (the check record, ``check_call``, installed versions,
   the entry-point checks);
-* ``env.py``: the check of the ``OEA_*`` environment, each variable parsed as the engines parse it.
+* ``env.py``: the check of the ``OEA_*`` environment, each variable parsed as the engines parse it;
+* ``judge.py``: the verdicts on what a server served (OEA engaged, active experts, padding, reasons), shared by
+  ``--metrics-file`` and ``--metrics-url``;
+* ``live.py``: ``oea doctor --metrics-url``: a running server's ``oea_*`` Prometheus series read over HTTP.
 
 What a server's ``OEA_METRICS_FILE`` says (``oea doctor --metrics-file``) is ``oea.integrations.served``.
 Modules import each other by full module path; importing this package imports nothing.

@@ -30,12 +30,17 @@ def register(commands: Any, bench: Any) -> None:
     parser.add_argument("--metrics-file", default=None, metavar="FILE",
                         help="a server's OEA_METRICS_FILE: also report whether OEA engaged in its decode forwards "
                              "(N of M), the active experts against the engine's own routing, and padding rows")
+    parser.add_argument("--metrics-url", default=None, metavar="URL",
+                        help="a running server's Prometheus endpoint (http://HOST:PORT/metrics): the same checks "
+                             "from its oea_* series, and why forwards kept the engine's routing; unreachable or "
+                             "without oea_* series: exit 1")
     parser.add_argument("--min-batch", type=int_at_least(0), default=None,
                         help="with --metrics-file: decode forwards with fewer real rows are not expected to be "
-                             "rewritten (default: OEA_MIN_BATCH of this environment, else 2)")
+                             "rewritten (default: OEA_MIN_BATCH of this environment, else 2; --metrics-url reads "
+                             "the server's own)")
     parser.add_argument("--json", action="store_true",
                         help='print {"engines": [{"name", "version", "ok", "checks": [{"name", "ok", "detail"}]}]} '
-                             '(+ "served" with --metrics-file)')
+                             '(+ "served" with --metrics-file or --metrics-url)')
     parser.set_defaults(handler=_doctor)
 
 
@@ -63,6 +68,6 @@ def _doctor(args: argparse.Namespace) -> int:
             min_batch = 2 if found is None else found
         except ValueError:  # a broken OEA_MIN_BATCH is reported by the environment checks
             min_batch = 2
-    report, code = run_doctor(args.engine, args.metrics_file, min_batch)
+    report, code = run_doctor(args.engine, args.metrics_file, min_batch, metrics_url=args.metrics_url)
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     return code

@@ -11,7 +11,8 @@ The report (``--json``)::
 
     {"ok": bool, "environment": {"ok": bool, "checks": [{"name", "ok", "detail"}]},
      "engines": [{"name", "version", "installed", "ok", "checks": [{"name", "ok", "detail"}]}],
-     "served": {"ok", "path", "checks": [...]}}      # only with --metrics-file
+     "served": {"ok", "path", "checks": [...]}}      # only with --metrics-file (with --metrics-url: "url"
+                                                      # for "path"; with both: the URL's block is "served_url")
 
 An engine that is not installed is reported as such: for ``all`` that is not a failure, for a
 named engine it is (with the install hint). ``environment`` checks every ``OEA_*`` variable that can be
@@ -102,12 +103,15 @@ def environment_report() -> dict[str, Any]:
     return {"ok": all(c["ok"] for c in checks), "checks": checks}
 
 
-def run_doctor(engine: str = "all", metrics_file: str | None = None, min_batch: int = 2) -> tuple[dict[str, Any], int]:
+def run_doctor(engine: str = "all", metrics_file: str | None = None, min_batch: int = 2,
+               metrics_url: str | None = None) -> tuple[dict[str, Any], int]:
     """Build the report for ``engine`` (one of ``ENGINES`` or ``"all"``) and its exit code (0 = all good).
 
     The ``OEA_*`` environment is always checked; a broken variable fails the report whatever the engine.
     ``metrics_file``: a server's ``OEA_METRICS_FILE``, read into a ``served`` block (``oea.integrations.served``:
     did OEA engage in its decode forwards with >= ``min_batch`` real rows); a failed one fails the report.
+    ``metrics_url``: a server's Prometheus endpoint, read into a ``served`` block the same way
+    (``doctor.live``); with both, the file's block first, then ``served_url``.
     """
     names = ENGINES if engine == "all" else (engine,)
     reports = [engine_report(name) for name in names]
@@ -121,6 +125,13 @@ def run_doctor(engine: str = "all", metrics_file: str | None = None, min_batch: 
         checks = served_checks(metrics_file, min_batch)
         report["served"] = {"ok": all(c["ok"] for c in checks), "path": metrics_file, "checks": checks}
         report["ok"] = ok = ok and report["served"]["ok"]
+    if metrics_url is not None:
+        from oea.integrations.doctor.live import live_checks
+
+        checks = live_checks(metrics_url, min_batch)
+        key = "served_url" if metrics_file is not None else "served"
+        report[key] = {"ok": all(c["ok"] for c in checks), "url": metrics_url, "checks": checks}
+        report["ok"] = ok = ok and report[key]["ok"]
     return report, 0 if ok else 1
 
 
@@ -138,15 +149,16 @@ def format_text(report: dict[str, Any]) -> str:
     if environment is not None:
         lines.append(f"environment (OEA_* variables): {'OK' if environment['ok'] else 'FAILED'}")
         lines += _check_lines(environment["checks"])
-    served = report.get("served")
-    if served is not None:
-        lines.append(f"served (--metrics-file {served['path']}): {'OK' if served['ok'] else 'FAILED'}")
+    blocks = [report[key] for key in ("served", "served_url") if key in report]
+    for served in blocks:
+        where = f"--metrics-file {served['path']}" if "path" in served else f"--metrics-url {served['url']}"
+        lines.append(f"served ({where}): {'OK' if served['ok'] else 'FAILED'}")
         lines += _check_lines(served["checks"])
     failed = [(e["name"], next(c for c in e["checks"] if not c["ok"]))
               for e in report["engines"] if e["installed"] and not e["ok"]]
     if environment is not None:
         failed += [("environment", c) for c in environment["checks"] if not c["ok"]]
-    if served is not None:
+    for served in blocks:
         failed += [("served", c) for c in served["checks"] if not c["ok"]]
     if failed:
         lines.append("")
