@@ -31,7 +31,7 @@ import torch
 
 from oea.routing import RouterSpec
 from oea.traces import Trace, save_trace
-from oea.traces.bundled import DATA_DIR
+from oea.traces.bundled import bundled_trace_dir
 
 FLAME_POSITIONS = ("1st", "2nd", "3rd", "4th", "5th", "6th", "7th", "8th", "9th", "10th")
 FLAME_LAYERS = tuple(range(2, 10))
@@ -248,8 +248,8 @@ Each trace's `.json` sidecar repeats its source, licence and caveats.
   greedy decode. Source: github.com/BrianBoitano/nvmoe @ f895ad37. Licence: MIT,
   Copyright (c) 2026 Christopher Ayers; the licence text is in `LICENSE.nvmoe-MIT.txt`.
 - `embedded`: the project's embedded model (trained on the Python standard library, PSF License), captured
-  by this project with `oea capture --out src/oea/traces/data/embedded.safetensors --name embedded
-  --batch-size 16 --prompt-tokens 32 --new-tokens 64` (its JSON records the checkpoint's SHA-256).
+  by this project with `oea capture --out packages/oea-lab-data/src/oea_lab_data/traces/embedded.safetensors
+  --name embedded --batch-size 16 --prompt-tokens 32 --new-tokens 64` (its JSON records the checkpoint's SHA-256).
 """
 
 
@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=pathlib.Path, required=True,
                         help="folder holding the raw sets (the upstream repositories named in SOURCES.md)")
-    parser.add_argument("--out", type=pathlib.Path, default=DATA_DIR, help="where the bundled traces go")
+    parser.add_argument("--out", type=pathlib.Path, default=bundled_trace_dir(),
+                        help="where the bundled traces go (oea-lab-data's traces/ folder)")
     parser.add_argument("--skip-nvmoe", action="store_true",
                         help="do not convert the llama.cpp decode traces")
     args = parser.parse_args(argv)

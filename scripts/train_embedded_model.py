@@ -15,7 +15,7 @@ the cosine LR schedule follows whichever budget is further along. Use ``--thread
 on the 2-core CPU shared with other jobs, 2 threads measured 3x slower than 1. A step of 16 x 256 tokens
 took 1.2 s with 1 thread when the machine was quiet and 2-7 s when it was busy.
 
-The shipped model (``src/oea/models/embedded``) came from::
+The shipped model (``packages/oea-lab-data/src/oea_lab_data/embedded``, the data of ``oea[lab]``) came from::
 
     nohup .venv/bin/python scripts/train_embedded_model.py --steps 2000 --minutes 70 --threads 1 \
         > /tmp/train.log 2>&1 &
@@ -46,7 +46,7 @@ SPECIAL_TOKENS = ["<|endoftext|>"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=pathlib.Path, default=REPO / "src/oea/models/embedded")
+    p.add_argument("--out", type=pathlib.Path, default=REPO / "packages/oea-lab-data/src/oea_lab_data/embedded")
     p.add_argument("--cache-dir", type=pathlib.Path, default=REPO / ".train-cache")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps (the schedule's length)")
     p.add_argument("--minutes", type=float, default=70.0,

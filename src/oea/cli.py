@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from oea.models.lab_data import LAB_DATA_MODULE, LAB_INSTALL
+
 # Each module defines ``register(commands, bench)`` adding parsers with ``set_defaults(handler=...)``;
 # a handler takes the parsed ``argparse.Namespace`` and returns an exit code.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -33,10 +35,10 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-# The top-level modules of the ``oea[lab]`` extra (pyproject.toml; a test keeps the two equal). The evidence tools
-# import them; routing, the kernels, the engine plugins, ``oea doctor`` and ``oea serve`` never do.
-LAB_DEPENDENCIES: frozenset[str] = frozenset({"scipy", "rich", "matplotlib", "httpx"})
-LAB_INSTALL = "pip install 'oea[lab]'"
+# The top-level modules of the ``oea[lab]`` extra (pyproject.toml; a test keeps the two equal), the tools' data
+# package among them. The evidence tools import them; routing, the kernels, the engine plugins, ``oea doctor`` and
+# ``oea serve`` never do.
+LAB_DEPENDENCIES: frozenset[str] = frozenset({"scipy", "rich", "matplotlib", "httpx", LAB_DATA_MODULE})
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -104,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as err:  # an evidence tool run from the lean package: say what to install
         if (err.name or "").split(".")[0] not in LAB_DEPENDENCIES:
             raise
-        print(f"oea {_command(args)}: error: this tool needs the lab extra ({err}): {LAB_INSTALL}", file=sys.stderr)
+        why = str(err).removesuffix(f": {LAB_INSTALL}")  # the data's loader names the install too: name it once
+        print(f"oea {_command(args)}: error: this tool needs the lab extra ({why}): {LAB_INSTALL}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err

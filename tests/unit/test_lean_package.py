@@ -14,7 +14,7 @@ import json
 import pathlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 try:
     import tomllib
@@ -24,9 +24,13 @@ except ModuleNotFoundError:  # Python 3.10
 import pytest
 
 from oea.cli import COMMAND_MODULES, LAB_DEPENDENCIES, LAB_INSTALL, main
+from oea.models.lab_data import LAB_DATA_MODULE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
+# The tools' data distribution (oea-lab-data), and names of its files that the oea package must not hold.
+LAB_DATA = ROOT / "packages" / "oea-lab-data"
+LAB_DATA_FILES = frozenset({"MODEL_CARD.md", "SOURCES.md", "heldout_files.json", "tokenizer.json"})
 # What pip installs for the plugins, the doctor and ``oea serve``: the engines' entry points (pyproject.toml), the
 # ``oea`` facade, and the two command lines.
 LEAN_ROOTS = ("oea", "oea.integrations.vllm", "oea.integrations.sglang", "oea.integrations.doctor.cli",
@@ -109,10 +113,79 @@ def _closure(roots: tuple[str, ...], follow_lazy: bool) -> dict[tuple[str, str],
 def test_the_lab_extra_and_the_clis_list_of_lab_modules_agree_and_the_core_needs_only_torch_numpy_safetensors(
 ) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lab = {req.split(">")[0].split("=")[0].split("[")[0].strip() for req in project["optional-dependencies"]["lab"]}
+    lab = {req.split(">")[0].split("=")[0].split("[")[0].strip().replace("-", "_")
+           for req in project["optional-dependencies"]["lab"]}
     assert lab == set(LAB_DEPENDENCIES)
     core = {req.split(">")[0].split("=")[0].split(";")[0].strip() for req in project["dependencies"]}
     assert core == {"torch", "numpy", "safetensors", "tomli"}
+
+
+def test_the_lab_extra_pins_the_data_distribution_built_here_and_the_oea_package_holds_no_data() -> None:
+    data = tomllib.loads((LAB_DATA / "pyproject.toml").read_text())["project"]
+    lab = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lab"]
+    assert f"{data['name']}=={data['version']}" in lab
+    assert data["name"].replace("-", "_") == LAB_DATA_MODULE
+    data_files = sorted(str(p.relative_to(SRC)) for p in (SRC / "oea").rglob("*")
+                        if p.suffix == ".safetensors" or p.name in LAB_DATA_FILES)
+    assert not data_files, f"model or trace files in the oea package (they belong to {LAB_DATA}): {data_files}"
+
+
+def test_the_embedded_model_and_the_bundled_traces_are_read_from_this_checkouts_data_package() -> None:
+    # Found through the installed oea_lab_data, which make install makes an editable install of LAB_DATA: a path
+    # elsewhere is a stale copy (or a folder inside src/oea that the wheel would ship again).
+    import oea_lab_data
+
+    from oea.models import embedded_model_dir
+    from oea.traces import bundled_trace_dir, bundled_trace_names
+
+    package = pathlib.Path(oea_lab_data.__file__).parent
+    assert package == LAB_DATA / "src" / LAB_DATA_MODULE
+    assert embedded_model_dir() == package / "embedded" and (package / "embedded" / "model.safetensors").is_file()
+    assert bundled_trace_dir() == package / "traces" and (package / "traces" / "SOURCES.md").is_file()
+    assert {"qwen3-30b-a3b", "embedded"} <= set(bundled_trace_names())
+
+
+def test_without_the_data_package_its_loaders_name_the_extra_and_a_trace_file_still_loads(
+        tmp_path: pathlib.Path) -> None:
+    proc = _without_lab(
+        "import json\n"
+        "from oea.models import embedded_model_dir\n"
+        "from oea.traces import bundled_trace_names, load_trace, save_trace\n"
+        "import oea.traces.cli\n"
+        "out = {}\n"
+        "for name, call in (('model', embedded_model_dir), ('names', bundled_trace_names),\n"
+        "                   ('bundled', lambda: load_trace('qwen3-30b-a3b'))):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except (ModuleNotFoundError, ValueError) as err:\n"
+        "        out[name] = [type(err).__name__, getattr(err, 'name', None), str(err)]\n"
+        "import torch\n"
+        "from oea.routing import RouterSpec\n"
+        "from oea.traces import Trace\n"
+        "ids = torch.zeros(3, 1, 2, dtype=torch.int64); ids[:, 0, 1] = 1\n"
+        f"path = save_trace(Trace(RouterSpec(4, 2), ids=ids), {str(tmp_path / 't.safetensors')!r})\n"
+        "out['file'] = load_trace(str(path)).num_tokens\n"
+        "print(json.dumps(out))\n", modules=(LAB_DATA_MODULE,))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    missing = f"No module named '{LAB_DATA_MODULE}', which holds the embedded model and the bundled traces: " \
+              f"{LAB_INSTALL}"
+    assert out["model"] == out["names"] == ["ModuleNotFoundError", LAB_DATA_MODULE, missing]
+    assert out["bundled"][0] == "ValueError" and f"(none installed: {LAB_INSTALL})" in out["bundled"][2]
+    assert out["file"] == 3
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["traces"], f"this tool needs the lab extra (No module named '{LAB_DATA_MODULE}', which holds the embedded "
+                 f"model and the bundled traces): {LAB_INSTALL}"),
+    (["traces", "qwen3-30b-a3b"], f"trace must be one of the bundled traces (none installed: {LAB_INSTALL})"),
+])
+def test_a_command_without_the_data_package_says_in_one_line_what_to_install(argv: list[str], words: str) -> None:
+    proc = _without_lab(f"import sys\nfrom oea.cli import main\nsys.exit(main({argv!r}))\n",
+                        modules=(LAB_DATA_MODULE,))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"oea traces: error: {words}") and lines[0].count(LAB_INSTALL) == 1, lines[0]
 
 
 def test_nothing_the_plugins_the_doctor_or_the_cli_parser_import_at_module_level_needs_the_lab_extra() -> None:
@@ -148,8 +221,11 @@ sys.meta_path.insert(0, NoLab())
 """
 
 
-def _without_lab(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BLOCKER + code, ",".join(sorted(LAB_DEPENDENCIES))],
+def _without_lab(code: str, timeout: float = 300, modules: Iterable[str] = LAB_DEPENDENCIES,
+                 ) -> subprocess.CompletedProcess[str]:
+    """Runs ``code`` in a fresh interpreter where oea's own imports of ``modules`` (default: every lab module)
+    fail as if they were not installed."""
+    return subprocess.run([sys.executable, "-c", BLOCKER + code, ",".join(sorted(modules))],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

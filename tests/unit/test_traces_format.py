@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from oea.routing import RouterSpec
-from oea.traces import Trace, bundled_trace_names, load_trace, save_trace
-from oea.traces.bundled import DATA_DIR
+from oea.traces import Trace, bundled_trace_dir, bundled_trace_names, load_trace, save_trace
 
 torch.set_num_threads(1)
 
@@ -99,7 +98,7 @@ def test_bundled_traces_load_with_attribution() -> None:
         trace = load_trace(name)
         assert trace.meta["source"] and trace.meta["licence"], name
         assert trace.ids is not None or trace.logits is not None
-    total = sum(p.stat().st_size for p in DATA_DIR.iterdir())
+    total = sum(p.stat().st_size for p in bundled_trace_dir().iterdir())
     assert total < 8e6, f"bundled data is {total / 1e6:.1f} MB"
 
 

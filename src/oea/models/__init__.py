@@ -1,8 +1,9 @@
 """The embedded MoE model shipped with oea, and loading helpers for any HF MoE checkpoint.
 
 The embedded model is a stock ``Qwen3MoeForCausalLM`` (128 experts, top-8, ``norm_topk_prob=True``,
-Qwen3-30B-A3B's routing) trained on the Python standard library; see ``embedded/MODEL_CARD.md``.
-transformers is imported lazily, inside the functions.
+Qwen3-30B-A3B's routing) trained on the Python standard library; see ``embedded/MODEL_CARD.md`` of the
+``oea_lab_data`` package (``packages/oea-lab-data``), which ``pip install 'oea[lab]'`` installs: the ``oea`` wheel
+ships no model files (``oea.models.lab_data``). transformers is imported lazily, inside the functions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any
 
 from oea.models.data import read_text, sha256_text, stdlib_root
+from oea.models.lab_data import lab_data_dir
 
 if TYPE_CHECKING:
     import torch
@@ -24,8 +26,10 @@ TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "
 
 
 def embedded_model_dir() -> pathlib.Path:
-    """Directory of the shipped checkpoint (``config.json``, ``model.safetensors``, tokenizer files)."""
-    return pathlib.Path(__file__).resolve().parent / "embedded"
+    """Directory of the embedded checkpoint (``config.json``, ``model.safetensors``, tokenizer files): ``embedded/``
+    of the installed ``oea_lab_data`` package. Raises ``ModuleNotFoundError`` naming ``pip install 'oea[lab]'``
+    when that package is not installed (``oea.models.lab_data``)."""
+    return lab_data_dir("embedded")
 
 
 def load_model(

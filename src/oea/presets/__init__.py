@@ -134,7 +134,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         _model(
             name="embedded", num_experts=128, top_k=8, hidden_size=128, moe_intermediate_size=48,
             num_moe_layers=4, bytes_per_weight=4.0, scoring="softmax",
-            source="the project's own embedded Qwen3-MoE model (oea/models/embedded/config.json); stored "
+            source="the project's own embedded Qwen3-MoE model (oea_lab_data/embedded/config.json); stored "
             "in bf16, loaded as float32 by oea.models.load_model, so 4 bytes per weight on CPU",
         ),
     )

@@ -146,7 +146,7 @@ DECODER_SHAPES: dict[str, DecoderShape] = {
                         "10944, one shared expert of 1408); bf16", dense=1, dense_width=10944, shared=1408),
     "mixtral-8x7b": _gqa(32, 32, 8, 128, 32000, "Mixtral-8x7B config.json; bf16"),
     "olmoe-1b-7b": _gqa(16, 16, 16, 128, 50304, "OLMoE-1B-7B config.json; bf16"),
-    "embedded": _gqa(4, 4, 2, 32, 4096, "oea/models/embedded/config.json (tied head); float32 on CPU",
+    "embedded": _gqa(4, 4, 2, 32, 4096, "oea_lab_data/embedded/config.json (tied head); float32 on CPU",
                      weight_bytes=4.0),
     "deepseek-v3": _mla(61, 3, 18432, 2048, 129280, 128, 1536, 512, 128, 64, 128, 1.0,
                         "DeepSeek-V3 config.json (first_k_dense_replace=3, one shared expert); every linear "

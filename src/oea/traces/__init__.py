@@ -5,7 +5,7 @@
     oea.traces.save_trace(trace, "my-trace.safetensors")
 """
 
-from oea.traces.bundled import DATA_DIR, bundled_trace_names, load_trace
+from oea.traces.bundled import bundled_trace_dir, bundled_trace_names, load_trace
 from oea.traces.format import Trace, read_trace_file, save_trace
 
-__all__ = ["DATA_DIR", "Trace", "bundled_trace_names", "load_trace", "read_trace_file", "save_trace"]
+__all__ = ["Trace", "bundled_trace_dir", "bundled_trace_names", "load_trace", "read_trace_file", "save_trace"]

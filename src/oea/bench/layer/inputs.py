@@ -143,10 +143,10 @@ def synthetic_routing(
 
 def auto_trace_name(preset: str) -> str:
     """The bundled trace recorded for ``preset`` (``meta['model_preset']``), else ``"random"``."""
-    from oea.traces import DATA_DIR, bundled_trace_names
+    from oea.traces import bundled_trace_dir, bundled_trace_names
 
     for name in bundled_trace_names():
-        meta = json.loads((DATA_DIR / f"{name}.json").read_text())
+        meta = json.loads((bundled_trace_dir() / f"{name}.json").read_text())
         if meta.get("model_preset") == preset:
             return name
     return RANDOM_TRACE

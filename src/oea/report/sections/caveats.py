@@ -17,6 +17,6 @@ def section_caveats(ctx: ReportContext) -> str:
         "- Predicted latencies use datasheet peaks and a fixed per-layer overhead fitted to the paper's H100 "
         "table; absolute values are optimistic, ratios are the robust output. The CPU preset is used only "
         "when the layer benchmark has written its measured fit.",
-        "- Licences and sources of every bundled trace: `oea traces NAME` and "
-        "`src/oea/traces/data/SOURCES.md`.",
+        "- Licences and sources of every bundled trace: `oea traces NAME` and `traces/SOURCES.md` of the "
+        "oea-lab-data package (`packages/oea-lab-data/src/oea_lab_data/`).",
     ])
