@@ -55,7 +55,7 @@ FROZEN="$VENV/.oea-frozen.txt"
 mkdir -p "$ROOT/.cache"
 (
     flock 9
-    quiet_pip install -q --disable-pip-version-check -c "$FROZEN" -e "$ROOT[lab]"
+    quiet_pip install -q --disable-pip-version-check -c "$FROZEN" -e "$ROOT/packages/oea-lab-data" -e "$ROOT[lab]"
 ) 9> "$ROOT/.cache/editable-install.lock"
 
 "$VENV/bin/python" - <<'PY'
