@@ -102,7 +102,7 @@ pip_install --no-deps "sglang==$SGLANG_VERSION"
 mkdir -p "$ROOT/.cache"
 (
     flock 9
-    pip_install -e "$ROOT[lab]"
+    pip_install -e "$ROOT/packages/oea-lab-data" -e "$ROOT[lab]"
 ) 9> "$ROOT/.cache/editable-install.lock"
 
 "$VENV/bin/python" -W ignore - <<'PY'
