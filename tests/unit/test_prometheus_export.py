@@ -234,3 +234,30 @@ def test_prometheus_port_taken_warns_and_a_free_one_serves(tmp_path: Path, caplo
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_prometheus_series_exist_at_zero_before_any_forward(tmp_path: Path) -> None:
+    """A count that never grew still has data (an alert on "no forward rewritten" needs a 0, not nothing), and
+    the per-layer series exist before a burst shorter than a scrape interval."""
+    directory = tmp_path / "prom"
+    exporter = make_exporter("vllm", "m", str(directory), logging.getLogger("test"))
+    assert exporter is not None
+    exporter.set_enabled(0, 3, 2)
+    exporter.set_layers(0, [0, 2])
+    got = scrape(directory)
+    zero = {name: value for (name, labels), value in got.items() if value == 0}
+    assert "oea_rewritten_forwards_total" in zero and "oea_trace_stopped" in zero
+    assert {dict(labels)["reason"] for (name, labels) in got if name == "oea_passthrough_forwards_total"} == {
+        "below_min_batch",
+        "k0_covers_top_k",
+        "kernel_routed",
+        "layer_failed",
+        "verify_not_applied",
+        "dp_gathered",
+        "oea_off",
+        "unknown",
+    }
+    layers = {dict(labels)["layer"] for (name, labels) in got if name == "oea_active_experts_total"}
+    assert layers == {"0", "2"} and total(got, "oea_forward_routing_seconds_count") == 0
+    assert total(got, "oea_enabled", k0="3", min_batch="2") == 1
+    assert all(value == 0 for (name, _), value in got.items() if name != "oea_enabled")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -141,6 +142,9 @@ def test_prometheus_vllm_api_server_collects_oea_directory(monkeypatch: pytest.M
     finally:
         for collector in added:
             REGISTRY.unregister(collector)
+        made = vllm_prometheus.os.environ.get(vllm_prometheus.DIRECTORY_VARIABLE)
+        if made:  # atexit removes it in a server; a pytest-xdist worker may end without running atexit
+            shutil.rmtree(made, ignore_errors=True)
         monkeypatch.delenv(vllm_prometheus.DIRECTORY_VARIABLE, raising=False)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oea.config.variables import BY_NAME
-from oea.integrations.metrics import StepRecord
+from oea.integrations.metrics import PASSTHROUGH_REASONS, StepRecord
 
 PORT_VARIABLE = "OEA_PROMETHEUS_PORT"
 PHASES = ("decode", "verify", "prefill")
@@ -133,6 +133,7 @@ class Exporter:
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._trace_seen = (0, 0)
+        self._ready: set[int] = set()  # ranks whose fixed series exist (at 0 until counted)
 
     def _write(self, prefix: str, family: str, sample: str, labels: dict[str, str], value: float, add: bool) -> None:
         """Add ``value`` to (or set) one sample in this process's ``<prefix>_<pid>.db`` file."""
@@ -172,6 +173,7 @@ class Exporter:
         """``oea_enabled``: whether this process rewrites routing, with its k0 and min_batch as labels."""
         with self._lock:
             self.gauge("oea_enabled", 1.0 if on else 0.0, rank, k0=k0, min_batch=min_batch)
+            self.initialise(rank)
 
     def __call__(self, batch: list[tuple[StepRecord, dict[str, Any]]], writer: Any = None) -> None:
         """One flush of the metrics writer (``writer``: its file's state is exported too): each record with its
@@ -180,10 +182,47 @@ class Exporter:
             rank = 0
             for record, row in batch:
                 rank = int(row.get("rank", 0))
+                self.initialise(rank)
                 self._step(record, row, rank)
             if writer is not None:
                 self.writer_state(writer, rank)
             self._recorder_state(rank)
+
+    def initialise(self, rank: int) -> None:
+        """Every series without a layer label, at 0 until counted, so that a query or alert on a count that never
+        grew (no forward rewritten, no layer failed) has data rather than none (Prometheus's advice)."""
+        if rank in self._ready:
+            return
+        self._ready.add(rank)
+        for kind in PHASES:
+            self.count("oea_forwards", 0, rank, phase=kind)
+        for reason in PASSTHROUGH_REASONS:
+            self.count("oea_passthrough_forwards", 0, rank, reason=reason)
+        for family in (
+            "oea_rewritten_forwards",
+            "oea_decode_rows",
+            "oea_padding_rows",
+            "oea_outside_rows",
+            "oea_trace_steps_written",
+            "oea_trace_steps_dropped",
+        ):
+            self.count(family, 0, rank)
+        self._write("gauge_max", "oea_trace_stopped", "oea_trace_stopped", self._labels(rank), 0.0, True)
+
+    def set_layers(self, rank: int, layers: list[int]) -> None:
+        """The per-layer series of the MoE layers OEA routes, at 0 until counted, and the routing-time histogram:
+        a series born in the middle of a burst shorter than a scrape interval would show no rate at all."""
+        with self._lock:
+            self.initialise(rank)
+            for layer in layers:
+                for family in ("oea_active_experts", "oea_stock_active_experts", "oea_routing_seconds"):
+                    self.count(family, 0, rank, layer=layer)
+            labels = self._labels(rank)
+            family = "oea_forward_routing_seconds"
+            for bound in ROUTING_BUCKETS:
+                le = "+Inf" if bound == float("inf") else repr(float(bound))
+                self._write("histogram", family, f"{family}_bucket", {**labels, "le": le}, 0.0, True)
+            self._write("histogram", family, f"{family}_sum", labels, 0.0, True)
 
     def _step(self, record: StepRecord, row: dict[str, Any], rank: int) -> None:
         kind = phase(record)

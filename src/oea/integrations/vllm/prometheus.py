@@ -85,6 +85,7 @@ def start_worker_export(model_config: Any) -> Exporter | None:
     rank = process_rank()
     cfg = STATE.settings.oea
     exporter.set_enabled(rank, cfg.k0, cfg.min_batch)
+    exporter.set_layers(rank, [i for i, spec in enumerate(STATE.specs) if spec is not None])
     raw = os.environ.get(PORT_VARIABLE, "").strip()
     if raw and rank == 0:
         served = serve_port(directory, raw, log)
