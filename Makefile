@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 PIP_INSTALL := $(PIP) install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install demo test test-phases test-not-engine test-engines test-fast mutation lint format soak engines-vllm engines-sglang cuda-wheels clean
+.PHONY: venv install demo test test-phases test-not-engine test-engines test-fast mutation lint format soak engines-vllm engines-sglang cuda-wheels prometheus clean
 
 # Runs an install script with its output in .cache/install-logs/<target>.log, then prints that log whole, its
 # duration and exit status: installs that run together (below) never interleave their output, nor with pytest's.
@@ -36,7 +36,7 @@ demo: $(STAMP)
 # make test. make names the target that failed.
 install:
 	@$(PYTHON) scripts/check_free_space.py
-	@$(MAKE) --no-print-directory -j4 $(STAMP) engines-vllm engines-sglang cuda-wheels
+	@$(MAKE) --no-print-directory -j4 $(STAMP) engines-vllm engines-sglang cuda-wheels prometheus
 
 # The four environments install at once (as make install), ruff and the tests outside the `engine` marker run as
 # soon as .venv is there (none of them reads the engine venvs or the CUDA wheels); then the `engine` tests.
@@ -53,7 +53,7 @@ TIMED = @t=$$(date +%s); status=0; $(1) || status=$$?; echo "make test: $(2) $$(
 # A disk too full for the environments and scratch files stops here, in one line, before anything is written.
 test-phases:
 	@$(PYTHON) scripts/check_free_space.py
-	$(call TIMED,$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels,phase 1 (installs$(comma) ruff$(comma) non-engine tests))
+	$(call TIMED,$(MAKE) --no-print-directory -j4 test-not-engine engines-vllm engines-sglang cuda-wheels prometheus,phase 1 (installs$(comma) ruff$(comma) non-engine tests))
 	$(call TIMED,$(MAKE) --no-print-directory test-engines,phase 2 (engine tests))
 
 # The engine tests in one pytest process: measured on the 2-core machine, 1,458 s in one process against 3,212 s
@@ -96,6 +96,11 @@ engines-vllm:
 
 engines-sglang:
 	$(call LOGGED,bash scripts/install_sglang_cpu.sh)
+
+# Debian's prometheus package unpacked into .cache/prometheus (a real Prometheus server and promtool for the live
+# tests of the oea_* series, docs/observability.md); idempotent
+prometheus:
+	$(call LOGGED,bash scripts/install_prometheus.sh)
 
 # the CUDA vllm / sglang wheels whose source the hook-target tests read (downloaded once, not installed);
 # after .venv, whose pip downloads them (never while .venv's pip is being upgraded)
