@@ -16,6 +16,7 @@ Phase 1 sends prompts one at a time (batch 1: deterministic outputs); phase 2 se
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 from engine_venvs import engine_python
 from eval_serve_live import run_eval_serve, run_lm_eval_task
+from prometheus_live import scrape, watching
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
 
@@ -37,6 +39,7 @@ PROMPTS = CODE_PROMPTS
 SEQUENTIAL_TOKENS = 8
 BATCH_TOKENS = 16
 HEALTH_TIMEOUT_S = 1200  # generous: on a loaded 2-core machine three cold starts took 10 min
+PROMETHEUS_ARMS = ("oea", "top_k")  # OEA on and engaging; OEA_K0 = top_k: on but never rewriting
 
 
 
@@ -104,8 +107,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for server in servers.values():
             wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
         print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
-        for name, server in servers.items():
-            results[name] = _exercise(port_of(server))
+        # a Prometheus server scrapes the OEA arms' /metrics through the traffic (prometheus_live)
+        with watching(workdir, {n: servers[n] for n in PROMETHEUS_ARMS}) as watch:
+            for name, server in servers.items():
+                results[name] = _exercise(port_of(server))
+            results["oea"]["prometheus"] = watch.collect({n: Path(arms[n]["OEA_METRICS_FILE"])
+                                                          for n in PROMETHEUS_ARMS}) if watch is not None else None
+            results["oea"]["prometheus_off"] = {n: scrape(servers[n].base_url) for n in ("plain", "observe")}
         time.sleep(1.5)  # the workers flush metrics every 0.5 s
         eval_started = time.time()  # oea eval serve's traffic comes last: the tests above never see its rows
         results["oea"]["eval_serve"] = run_eval_serve({n: servers[n].base_url for n in ("observe", "top_k", "oea")},
@@ -231,3 +239,56 @@ def test_eval_serve_vllm_lm_eval_task_through_local_completions(runs: dict[str, 
     import eval_serve_live as live
 
     live.check_lm_eval_task(runs["oea"]["lm_eval"], "top_k", "observe")
+
+
+def _prometheus(runs: dict[str, dict]) -> dict:
+    """What the Prometheus server saw (``prometheus_live``); its binary missing fails in CI, skips elsewhere."""
+    from prometheus_live import INSTALL, PROMETHEUS
+
+    if runs["oea"]["prometheus"] is None:
+        message = f"{PROMETHEUS} is missing: run {INSTALL}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return runs["oea"]["prometheus"]
+
+
+def test_prometheus_counters_on_vllms_metrics_equal_the_metrics_file(runs: dict[str, dict]) -> None:
+    """The oea_* series on vLLM's own /metrics count exactly the forwards the worker's metrics file counted."""
+    found = _prometheus(runs)
+    for arm in PROMETHEUS_ARMS:
+        scraped, file = found["arms"][arm]["scraped"], found["arms"][arm]["file"]
+        assert scraped == file, arm
+    oea, top_k = found["arms"]["oea"]["file"], found["arms"]["top_k"]["file"]
+    assert oea["rewritten"] > 0 and oea["reason:below_min_batch"] > 0  # batched and one-at-a-time decode
+    assert top_k["rewritten"] == 0 and top_k["reason:k0_covers_top_k"] == top_k["decode"] > 0
+
+
+def test_prometheus_off_exports_no_oea_series(runs: dict[str, dict]) -> None:
+    for arm, samples in runs["oea"]["prometheus_off"].items():
+        assert samples, f"{arm}: vLLM's /metrics served nothing"
+        assert not [name for name, _, _ in samples if name.startswith("oea_")], arm
+
+
+def test_prometheus_server_runs_every_dashboard_query_and_alert_rule(runs: dict[str, dict]) -> None:
+    """Each query of docs/grafana/oea-dashboard.json and each alert rule's value returns data through a real
+    Prometheus scraping the servers; the engagement alert holds for the arm where OEA never rewrites."""
+    found = _prometheus(runs)
+    empty = [query for query, result in found["dashboard"].items() if not result]
+    assert not empty, f"dashboard queries without data: {empty}"
+    for name, rule in found["alerts"].items():
+        assert {r["metric"]["instance"] for r in rule["value"]} >= set(found["instances"].values()), name
+    firing = {name: {r["metric"]["instance"] for r in rule["fires"]} for name, rule in found["alerts"].items()}
+    assert firing == {"OEANotEngaging": {found["instances"]["top_k"]}, "OEANoDecodeForwards": set(),
+                      "OEALayerFailed": set(), "OEARecorderStopped": set()}
+
+
+def test_prometheus_alert_rules_pass_promtool() -> None:
+    from prometheus_live import INSTALL, PROMTOOL, promtool_check
+
+    if not PROMTOOL.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{PROMTOOL} is missing: run {INSTALL}")
+        pytest.skip(f"{PROMTOOL} is missing: run {INSTALL}")
+    checked = promtool_check()
+    assert checked.returncode == 0 and "SUCCESS: 4 rules found" in checked.stdout, checked.stdout + checked.stderr
