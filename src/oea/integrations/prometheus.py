@@ -132,15 +132,30 @@ class Exporter:
         self._key, self._open = mmap_key, MmapedDict
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._keys: dict[tuple[Any, ...], str] = {}  # sample -> its key in the file (JSON, made once)
+        self._sums: dict[Any, float] | None = None  # a flush's additions, per sample, while it is counted
+        self._per_layer: dict[tuple[str, int, int], float] = {}  # a flush's per-layer sums, while it is counted
         self._trace_seen = (0, 0)
         self._ready: set[int] = set()  # ranks whose fixed series exist (at 0 until counted)
 
     def _write(self, prefix: str, family: str, sample: str, labels: dict[str, str], value: float, add: bool) -> None:
-        """Add ``value`` to (or set) one sample in this process's ``<prefix>_<pid>.db`` file."""
+        """Add ``value`` to (or set) one sample in this process's ``<prefix>_<pid>.db`` file; while a flush's
+        records are counted (``__call__``) additions are summed and written once per sample at its end."""
+        slot = (prefix, family, sample, tuple(labels.items()))
+        if add and self._sums is not None:
+            self._sums[slot] = self._sums.get(slot, 0.0) + value
+            return
+        self._put(slot, value, add)
+
+    def _put(self, slot: tuple[str, str, str, tuple[tuple[str, str], ...]], value: float, add: bool) -> None:
+        prefix, family, sample, labels = slot
         handle = self._files.get(prefix)
         if handle is None:
             handle = self._files[prefix] = self._open(os.path.join(self.directory, f"{prefix}_{os.getpid()}.db"))
-        key = self._key(family, sample, list(labels), list(labels.values()), SERIES[family].help)
+        key = self._keys.get(slot)
+        if key is None:
+            names, values = [name for name, _ in labels], [value for _, value in labels]
+            key = self._keys[slot] = self._key(family, sample, names, values, SERIES[family].help)
         # added to what the file holds, so two exporters of one process (one per writer) never undo each other
         handle.write_value(key, handle.read_value(key)[0] + value if add else value, 0.0)
 
@@ -179,11 +194,19 @@ class Exporter:
         """One flush of the metrics writer (``writer``: its file's state is exported too): each record with its
         metrics-file line."""
         with self._lock:
-            rank = 0
-            for record, row in batch:
-                rank = int(row.get("rank", 0))
-                self.initialise(rank)
-                self._step(record, row, rank)
+            rank, self._sums, self._per_layer = 0, {}, {}
+            try:
+                for record, row in batch:
+                    rank = int(row.get("rank", 0))
+                    self.initialise(rank)
+                    self._step(record, row, rank)
+                for (family, at, layer), value in self._per_layer.items():
+                    self.count(family, value, at, layer=layer)
+                sums = self._sums
+            finally:
+                self._sums = None
+            for slot, value in sums.items():  # one write per sample and flush, not per step and layer
+                self._put(slot, value, True)
             if writer is not None:
                 self.writer_state(writer, rank)
             self._recorder_state(rank)
@@ -242,16 +265,22 @@ class Exporter:
         for layer, why in record.passthrough.items():
             self.count("oea_layer_passthrough_forwards", 1, rank, layer=layer, reason=why)
         layers = sorted(record.active)  # the order of the line's per-layer lists
+        per_layer = self._per_layer  # summed over the flush, then counted once per layer (``__call__``)
         for layer, active in zip(layers, row["active"], strict=True):
-            self.count("oea_active_experts", active, rank, layer=layer)
+            per_layer[("oea_active_experts", rank, layer)] = (
+                per_layer.get(("oea_active_experts", rank, layer), 0) + active
+            )
         stock_layers = [layer for layer in layers if layer in record.active_stock]
         for layer, active in zip(stock_layers, row.get("active_stock", []), strict=True):
-            self.count("oea_stock_active_experts", active, rank, layer=layer)
+            slot = ("oea_stock_active_experts", rank, layer)
+            per_layer[slot] = per_layer.get(slot, 0) + active
         timed = [layer for layer in layers if layer in record.routing_us]
         if timed:
             seconds = [us / 1e6 for us in row["routing_us"]]
             for layer, spent in zip(timed, seconds, strict=True):
-                self.count("oea_routing_seconds", spent, rank, layer=layer)
+                per_layer[("oea_routing_seconds", rank, layer)] = (
+                    per_layer.get(("oea_routing_seconds", rank, layer), 0) + spent
+                )
             self.observe("oea_forward_routing_seconds", sum(seconds), rank)
 
     def writer_state(self, writer: Any, rank: int) -> None:
