@@ -18,8 +18,6 @@ from oea.integrations.doctor.run import format_text, run_doctor
 from oea.integrations.prometheus import serve_port
 from oea.integrations.served import served_checks
 
-pytest.importorskip("prometheus_client", reason="prometheus_client is not in this venv (the dev extra should list it)")
-
 
 @pytest.fixture
 def endpoint(tmp_path: Path) -> Iterator[tuple[str, Path]]:

@@ -17,11 +17,6 @@ from server_harness import free_port
 from oea.integrations.metrics import MetricsWriter, StepRecord, step_reason
 from oea.integrations.prometheus import PORT_VARIABLE, make_exporter, parse_port, serve_port
 
-prometheus_client = pytest.importorskip(
-    "prometheus_client",
-    reason="prometheus_client is not in this venv (both engines ship it; the dev extra should list it)",
-)
-
 
 def scrape(directory: Path) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample prometheus_client's multiprocess collector reads from ``directory``: (name, labels) -> value."""

@@ -21,7 +21,6 @@ import oea.integrations.vllm.routing as plugin_routing
 import oea.integrations.vllm.steps as plugin_steps
 from oea.integrations.vllm.speculative import Speculation
 
-pytest.importorskip("prometheus_client", reason="prometheus_client is not in this venv (the dev extra should list it)")
 torch.set_num_threads(1)
 N, K = 64, 8
 
