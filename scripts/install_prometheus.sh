@@ -24,10 +24,18 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 # apt drops privileges to _apt for the download; a folder it can write into avoids its warning
 chmod 777 "$WORK"
-(cd "$WORK" && apt-get download prometheus) || {
-    echo "install_prometheus: apt-get download prometheus failed; run apt-get update first, or check the sources" >&2
-    exit 1
-}
+# The package lists of the machine's image may name a version the mirror no longer has (a Debian point release
+# replaces it): then the lists are refreshed once, where this user may (root), and the download asked again.
+if ! (cd "$WORK" && apt-get download prometheus); then
+    if [ "$(id -u)" = 0 ]; then
+        echo "install_prometheus: apt-get download failed with this machine's package lists; apt-get update, then again"
+        apt-get update -qq
+    fi
+    (cd "$WORK" && apt-get download prometheus) || {
+        echo "install_prometheus: apt-get download prometheus failed; run apt-get update (as root), or check the apt sources" >&2
+        exit 1
+    }
+fi
 dpkg-deb -x "$WORK"/prometheus_*.deb "$WORK/root"
 mkdir -p "$BIN"
 install -m 0755 "$WORK/root/usr/bin/prometheus" "$WORK/root/usr/bin/promtool" "$BIN/"
