@@ -133,6 +133,7 @@ def run(engine: str, rounds: int, calls: int, rows: int, experts: int, top_k: in
     """Paired rounds of the engine's stock and OEA routing calls; per-round medians and their comparison."""
     from oea.stats import median_interval, paired_difference, ratio_of_medians_interval
 
+    load_before = os.getloadavg()  # the machine is shared: its load when the rounds start and (main) after them
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, experts, generator=gen) * 2.0).bfloat16()
     stock, oea, context = (_sglang_arms if engine == "sglang" else _vllm_arms)(logits, k0, top_k)
@@ -157,7 +158,7 @@ def run(engine: str, rounds: int, calls: int, rows: int, experts: int, top_k: in
     return {
         "engine": engine, "rounds": rounds, "calls_per_round": calls, "rows": rows, "experts": experts,
         "top_k": top_k, "k0": k0, "dtype": "bfloat16", "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus", "load_before": os.getloadavg(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus", "load_before": load_before,
         "stock_us": _interval(median_interval(medians["stock"], rng)),
         "oea_us": _interval(median_interval(medians["oea"], rng)),
         "added_us": {"mean": added.mean, "low": added.ci.low, "high": added.ci.high, "p_value": added.p_value},

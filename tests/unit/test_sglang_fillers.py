@@ -3,9 +3,12 @@ batch already runs, as SGLang's native MoE (which counts a row's experts with ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
-from oea.integrations.sglang.fillers import distinct_fillers
+from oea.integrations.sglang.fillers import distinct_fillers, distinct_fillers_on_host, earlier_mask
 from oea.routing import OEAConfig, RouterSpec, route
 
 
@@ -35,21 +38,38 @@ def test_oea_routing_with_distinct_fillers_counts_every_slot_and_adds_only_the_e
         assert before == after
 
 
-def test_repeats_take_experts_other_rows_run_before_unused_ones() -> None:
+Fillers = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+BOTH = pytest.mark.parametrize("fillers", [distinct_fillers, distinct_fillers_on_host], ids=["torch", "host"])
+
+
+@BOTH
+def test_repeats_take_experts_other_rows_run_before_unused_ones(fillers: Fillers) -> None:
     ids = torch.tensor([[4, 4, 4, 4], [4, 9, 2, 6]])
     weights = torch.tensor([[1.0, 0, 0, 0], [0.25] * 4])
-    assert distinct_fillers(ids, weights, 4, 16)[0].tolist() == [[4, 2, 6, 9], [4, 9, 2, 6]]
+    assert fillers(ids, weights, 4, 16)[0].tolist() == [[4, 2, 6, 9], [4, 9, 2, 6]]
 
 
-def test_rows_without_repeats_and_appended_columns_are_kept_and_a_lone_row_takes_unused_experts() -> None:
+@BOTH
+def test_rows_without_repeats_and_appended_columns_are_kept_and_a_lone_row_takes_unused_experts(fillers: Fillers
+                                                                                                ) -> None:
     ids = torch.tensor([[3, 1, 3, 3, 8], [0, 1, 2, 5, 8], [7, 7, 7, 7, 8]], dtype=torch.int32)
     weights = torch.tensor([[.5, .5, 0, 0, 1], [.25, .25, .25, .25, 1], [1, 0, 0, 0, 1]])
-    new_ids, new_weights = distinct_fillers(ids, weights, 4, 8)
+    new_ids, new_weights = fillers(ids, weights, 4, 8)
     assert new_ids.dtype == ids.dtype and new_weights.dtype == weights.dtype
     assert new_ids.tolist() == [[3, 1, 0, 2, 8], [0, 1, 2, 5, 8], [7, 0, 1, 2, 8]]
     assert torch.equal(new_weights, weights)
     alone = torch.tensor([[5, 5, 5, 5]])
-    assert distinct_fillers(alone, torch.tensor([[1.0, 0, 0, 0]]), 4, 8)[0].tolist() == [[5, 0, 1, 2]]
+    assert fillers(alone, torch.tensor([[1.0, 0, 0, 0]]), 4, 8)[0].tolist() == [[5, 0, 1, 2]]
+
+
+def test_on_the_host_a_call_without_repeats_returns_its_own_tensors_and_never_writes_them() -> None:
+    """The usual decode call (a union of at least k experts): nothing to rename, nothing copied; a call with repeats
+    gets new tensors and its inputs stay as they were (SGLang's capture may still hold them)."""
+    ids, weights = torch.tensor([[1, 2, 3], [2, 3, 4]], dtype=torch.int32), torch.rand(2, 3)
+    assert all(a is b for a, b in zip(distinct_fillers_on_host(ids, weights, 3, 8), (ids, weights), strict=True))
+    repeated, before = torch.tensor([[1, 1, 1]]), torch.tensor([[1.0, 0, 0]])
+    new_ids, _ = distinct_fillers_on_host(repeated, before.clone(), 3, 8, earlier_mask(3, torch.device("cpu")).numpy())
+    assert new_ids.tolist() == [[1, 0, 2]] and repeated.tolist() == [[1, 1, 1]]
 
 
 def _literal_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_experts: int
@@ -70,7 +90,8 @@ def _literal_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_exper
     return new_ids, new_weights
 
 
-def test_distinct_fillers_equal_the_literal_rule_on_random_calls() -> None:
+@BOTH
+def test_distinct_fillers_equal_the_literal_rule_on_random_calls(fillers: Fillers) -> None:
     gen = torch.Generator().manual_seed(3)
     for case in range(300):
         n = int(torch.randint(8, 160, (1,), generator=gen))
@@ -85,5 +106,5 @@ def test_distinct_fillers_equal_the_literal_rule_on_random_calls() -> None:
             weights = torch.rand(m, k, generator=gen)
         ids = torch.cat([ids.to(torch.int32), torch.full((m, s), 5, dtype=torch.int32)], dim=1)
         weights = torch.cat([weights.float(), torch.ones(m, s)], dim=1)
-        got, expected = distinct_fillers(ids, weights, k, n), _literal_fillers(ids, weights, k, n)
+        got, expected = fillers(ids, weights, k, n), _literal_fillers(ids, weights, k, n)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (case, ids)

@@ -303,6 +303,7 @@ def test_one_topk_config_with_two_expert_counts_gets_two_specs(fake_topk_module:
             _, new = plugin_routing.post_process_before(**kwargs)
             spec = oea.RouterSpec(experts, 8)
             assert torch.equal(new["topk_ids"].long(), oea.route(kwargs["router_logits"], spec, oea.OEAConfig(2))[0])
+            assert STATE.routers[5].spec.num_experts == experts  # the layer's state follows the expert count
 
 
 def test_unsupported_layer_passes_through_with_one_warning(

@@ -37,8 +37,15 @@ def _kwargs(layer_id: int, config: Any, rows: int = 6, experts: int = 64, seed: 
     logits = torch.randn(rows, experts, generator=torch.Generator().manual_seed(seed))
     spec = plugin.router_spec_from_topk_config(config, experts)
     ids, weights = oea.route(logits, spec, oea.OEAConfig(spec.top_k))
-    return dict(topk_ids=ids.to(torch.int32), topk_weights=weights, topk_config=config, router_logits=logits,
-                layer_id=layer_id, num_token_non_padded=None, expert_location_dispatch_info=None)
+    return dict(
+        topk_ids=ids.to(torch.int32),
+        topk_weights=weights,
+        topk_config=config,
+        router_logits=logits,
+        layer_id=layer_id,
+        num_token_non_padded=None,
+        expert_location_dispatch_info=None,
+    )
 
 
 def _served(kwargs: dict[str, Any], k0: int) -> torch.Tensor:
@@ -47,11 +54,13 @@ def _served(kwargs: dict[str, Any], k0: int) -> torch.Tensor:
     return distinct_fillers(ids, weights, spec.top_k, spec.num_experts)[0]
 
 
-def test_each_layer_keeps_its_facts_on_one_state_reused_by_every_call(fake_topk_module: types.ModuleType,
-                                                                      tmp_path: pathlib.Path) -> None:
+def test_each_layer_keeps_its_facts_on_one_state_reused_by_every_call(
+    fake_topk_module: types.ModuleType, tmp_path: pathlib.Path
+) -> None:
     path = tmp_path / "k0.json"
-    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(1, 6),
-                                                    layer_ids=(5, 9)), path)
+    write_layer_k0_file(
+        oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(1, 6), layer_ids=(5, 9)), path
+    )
     install(settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)}))
     configs = {5: topk_config(), 9: topk_config()}
     seen = []
@@ -78,9 +87,9 @@ def test_each_layer_keeps_its_facts_on_one_state_reused_by_every_call(fake_topk_
     assert torch.equal(new["topk_ids"].long(), _served(kwargs, 2))
 
 
-def test_a_layer_whose_routing_raised_keeps_sglangs_routing_from_then_on(fake_topk_module: types.ModuleType,
-                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_layer_whose_routing_raised_keeps_sglangs_routing_from_then_on(
+    fake_topk_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     STATE.settings = settings_from_env({"OEA_K0": "2"})
     original = plugin_routing.rewrite_topk
     monkeypatch.setattr(plugin_routing, "rewrite_topk", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -95,8 +104,10 @@ def test_a_layer_whose_routing_raised_keeps_sglangs_routing_from_then_on(fake_to
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed")
-def test_a_cpu_call_runs_the_layers_prepared_kernel_without_dispatch(fake_topk_module: types.ModuleType,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_a_cpu_call_runs_the_layers_prepared_kernel_without_dispatch(
+    fake_topk_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch, id_dtype: torch.dtype
+) -> None:
     """After a layer's first call, a CPU decode call neither plans nor reads TRITON_INTERPRET: ``route_fast``'s
     per-call dispatch is not on the path."""
     STATE.settings = settings_from_env({"OEA_K0": "2"})
@@ -110,15 +121,18 @@ def test_a_cpu_call_runs_the_layers_prepared_kernel_without_dispatch(fake_topk_m
         monkeypatch.setattr(plugin_routing, "route_fast", refused)
         monkeypatch.setattr(dispatch, "_interpreting", refused)
         kwargs = _kwargs(0, config, seed=2)
+        kwargs["topk_ids"] = kwargs["topk_ids"].to(id_dtype)
         _, new = plugin_routing.post_process_before(**kwargs)
-    assert torch.equal(new["topk_ids"].long(), _served(kwargs, 2))
+    assert new["topk_ids"].dtype == id_dtype and torch.equal(new["topk_ids"].long(), _served(kwargs, 2))
 
 
 def test_a_layer_the_file_does_not_list_keeps_sglangs_routing_with_one_warning(
-        fake_topk_module: types.ModuleType, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    fake_topk_module: types.ModuleType, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "k0.json"
-    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=1, k0=(1,), layer_ids=(5,)),
-                        path)
+    write_layer_k0_file(
+        oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=1, k0=(1,), layer_ids=(5,)), path
+    )
     STATE.settings = settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)})
     with caplog.at_level(logging.WARNING, logger=plugin.__name__), plugin.forward_mode(FakeMode.DECODE):
         for _ in range(2):
@@ -132,9 +146,16 @@ def _module_level_empty_containers(tree: ast.Module) -> list[str]:
     names = []
     for node in tree.body:
         value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-        empty = (isinstance(value, ast.Dict) and not value.keys) or (isinstance(value, (ast.List, ast.Set)) and \
-            not value.elts) or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and \
-            not value.args and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict"))
+        empty = (
+            (isinstance(value, ast.Dict) and not value.keys)
+            or (isinstance(value, (ast.List, ast.Set)) and not value.elts)
+            or (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and not value.args
+                and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict")
+            )
+        )
         if empty:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.extend(ast.unparse(target) for target in targets)
@@ -148,6 +169,10 @@ NOT_PER_LAYER = {("fillers.py", "_EARLIER")}
 def test_per_layer_facts_live_only_on_the_state() -> None:
     """No process-global map beside ``STATE`` (``state.py``, which holds each layer's ``RouterState``): a
     module-level empty dict, list or set elsewhere in the SGLang adapter would be a per-layer cache."""
-    found = {(path.name, name) for path in PACKAGE.glob("*.py") if path.name != "state.py"
-             for name in _module_level_empty_containers(ast.parse(path.read_text()))}
+    found = {
+        (path.name, name)
+        for path in PACKAGE.glob("*.py")
+        if path.name != "state.py"
+        for name in _module_level_empty_containers(ast.parse(path.read_text()))
+    }
     assert found - NOT_PER_LAYER == set()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from oea.integrations.replay import ReplayIds
@@ -71,6 +72,39 @@ def distinct_fillers(ids: torch.Tensor, weights: torch.Tensor, k: int, num_exper
     new_ids[:, :k] = renamed
     new_weights = weights.clone()
     new_weights[:, :k] = kept_weights
+    return new_ids, new_weights
+
+
+def distinct_fillers_on_host(ids: torch.Tensor, weights: torch.Tensor, k: int, num_experts: int,
+                             earlier: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``distinct_fillers`` for CPU tensors outside tracing: the same rule in numpy (a few microseconds where each
+    of the torch version's ~20 ops costs a few), and ``ids`` / ``weights`` themselves when no slot repeats (the
+    usual decode batch, whose union holds at least k experts). Not graph-safe: it reads the tensors on the host.
+    ``earlier``: ``distinct_fillers``' mask as a numpy array (default: made here).
+    """
+    m = ids.shape[0]
+    if m == 0 or k < 2:
+        return ids, weights
+    routed = (ids if ids.shape[1] == k else ids[:, :k]).numpy()  # [M, k], a view
+    ordered = np.sort(routed, axis=1)
+    if not np.count_nonzero(ordered[:, 1:] == ordered[:, :-1]):  # no row holds an id twice
+        return ids, weights
+    routed = routed.astype(np.int64)
+    mask = np.tri(k, k, -1, dtype=bool) if earlier is None else earlier
+    repeat = ((routed[:, :, None] == routed[:, None, :]) & mask).any(axis=-1)  # [M, k]
+    clamped = routed.clip(0, num_experts)  # an id out of range lands in the dummy column N
+    active = np.zeros(num_experts + 1, dtype=bool)
+    active[clamped.ravel()] = True
+    active = active[:num_experts]
+    span = min(num_experts, 2 * k - 1)
+    order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:span]  # [L] active first
+    free = ~(clamped[:, :, None] == order[None, None, :]).any(axis=1)  # [M, L]
+    which = repeat.cumsum(axis=1)  # [M, k]
+    position = (free.cumsum(axis=1)[:, None, :] < which[:, :, None]).sum(axis=-1).clip(max=span - 1)  # [M, k]
+    new_ids = ids.clone()
+    new_ids[:, :k] = torch.from_numpy(np.where(repeat, order[position], routed)).to(ids.dtype)
+    new_weights = weights.clone()
+    new_weights[:, :k] = weights[:, :k].masked_fill(torch.from_numpy(repeat), 0)
     return new_ids, new_weights
 
 

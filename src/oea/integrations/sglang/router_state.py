@@ -6,8 +6,9 @@ the layer comes with another config object, another number of experts or under r
 It holds the layer's spec (or why the layer keeps SGLang's routing), its entry of ``OEA_LAYER_K0_FILE``, its base
 config (``OEA_K0``'s, or EP-aware OEA on SGLang's placement: ``placement.py``), the numba kernel prepared for its
 current config, its filler mask (``fillers.py``), its slot in the ``OEA_TRACE_FILE`` recording (``recording.py``)
-and whether its OEA routing raised (then it keeps SGLang's routing). ``RouterCall`` holds what one routing call
-found out, step by step (``routing.py``).
+and whether its OEA routing raised (then it keeps SGLang's routing). Unlike vLLM's, it keeps no output buffers:
+the ids and weights a call returns are SGLang's ``topk_ids`` / ``topk_weights`` from then on, which SGLang may keep
+past the layer. ``RouterCall`` holds what one routing call found out, step by step (``routing.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RouterState:
     kernel_key: tuple[Any, Any] | None = None  # (config, spec) the kernel was prepared for
     kernel: NumbaRouter | None = None  # None: only route_fast reproduces the config
     earlier: torch.Tensor | None = None  # [k, k] bool, [j, i]: i < j (fillers.distinct_fillers)
+    earlier_host: Any = None  # ``earlier`` as a numpy view (fillers.distinct_fillers_on_host)
     trace_slot: int | None = UNDECIDED  # its layer in the OEA_TRACE_FILE recording (None: not recorded)
     failed: bool = False  # its OEA routing raised: SGLang's routing from then on
 
@@ -74,6 +76,12 @@ class RouterState:
             self.kernel_key = (cfg, self.spec)
         return self.kernel
 
+    def earlier_on_host(self) -> Any:
+        """``earlier`` (a CPU mask) as numpy, viewed once."""
+        if self.earlier_host is None and self.earlier is not None:
+            self.earlier_host = self.earlier.numpy()
+        return self.earlier_host
+
 
 @dataclass
 class RouterCall:
@@ -84,7 +92,7 @@ class RouterCall:
     cfg: Any = None  # 1. the config for these rows
     keep: bool = True  # 2. SGLang's routing is kept in this call
     non_padded: torch.Tensor | int | None = None  # 3. rows >= this count are padding (None: every row real)
-    eager_cpu: bool = False  # 4. CPU logits outside tracing: the prepared kernel runs
+    eager_cpu: bool = False  # 4. CPU logits outside tracing: the prepared kernel and the host fillers run
     rerouted: bool = False  # 4-5. OEA's routing was spliced into SGLang's output
 
 

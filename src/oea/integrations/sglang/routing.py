@@ -26,6 +26,7 @@ import oea.integrations.sglang.targets as targets
 from oea.integrations.sglang.fillers import (
     capture_replay_ids,
     distinct_fillers,
+    distinct_fillers_on_host,
     earlier_mask,
 )
 from oea.integrations.sglang.placement import ep_config
@@ -82,8 +83,9 @@ def rewrite_topk(
         valid = torch.arange(m, device=router_logits.device) < num_token_non_padded
     elif m < cfg.min_batch:
         return None
-    if kernel is not None:
-        ids, weights = kernel(router_logits, valid)
+    if kernel is not None:  # writes SGLang's int32 / int64 ids itself: no conversion in the splice
+        out = torch.empty((m, k), dtype=topk_ids.dtype) if topk_ids.dtype in (torch.int32, torch.int64) else None
+        ids, weights = kernel(router_logits, valid, out)
     elif torch.compiler.is_compiling():
         ids, weights = route(router_logits, spec, cfg, valid)
     else:
@@ -195,7 +197,7 @@ def _route(call: RouterCall, kwargs: dict[str, Any], router_logits: torch.Tensor
     # 3. the real rows: SGLang's count of them, or OEA's own where SGLang keeps none
     call.non_padded = padding.bound(router_logits, kwargs.get("num_token_non_padded"))
     # 4-5. OEA over the real rows, spliced into SGLang's output (layer_id: the chaos tests' switch reads it here)
-    call.eager_cpu = eager_cpu = router_logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    call.eager_cpu = eager_cpu = router_logits.is_cpu and not torch.compiler.is_compiling()
     kernel = state.prepared_kernel(router_logits, cfg) if eager_cpu else None
     result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg, call.non_padded,
                           kernel=kernel)
@@ -206,8 +208,13 @@ def _route(call: RouterCall, kwargs: dict[str, Any], router_logits: torch.Tensor
     # still returns OEA's ids, whose fillers repeat the row's own expert
     if state.earlier is None:
         state.earlier = earlier_mask(spec.top_k, router_logits.device)
-    ids, weights = distinct_fillers(result[0], result[1], spec.top_k, spec.num_experts, state.earlier)
-    capture_replay_ids(ids, result[0])
+    if eager_cpu:
+        ids, weights = distinct_fillers_on_host(result[0], result[1], spec.top_k, spec.num_experts,
+                                                state.earlier_on_host())
+    else:
+        ids, weights = distinct_fillers(result[0], result[1], spec.top_k, spec.num_experts, state.earlier)
+    if ids is not result[0]:
+        capture_replay_ids(ids, result[0])
     return ids, weights
 
 
