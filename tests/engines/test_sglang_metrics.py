@@ -18,7 +18,8 @@ from oea.integrations.metrics import routed_hash
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 SCRIPT = ROOT / "tests" / "engines" / "sglang_cpu_metrics.py"
 SPEC = oea.RouterSpec(128, 8, "softmax", True)
-# the vLLM plugin's row (oea.integrations.metrics), OEA_TIMING on
+# the vLLM plugin's row (oea.integrations.metrics), OEA_TIMING on; ``reason`` besides in the decode rows that
+# kept the engine's routing
 ROW_FIELDS = {"pid", "rank", "step", "time", "decode", "verify", "tokens_per_request", "oea", "rows", "padding_rows",
               "outside_rows", "layers", "active", "routed", "routing_us"}
 
@@ -57,7 +58,13 @@ def test_one_row_per_forward_with_the_vllm_fields(runs: dict[str, tuple[dict[str
     forwards, rows = _counted(report)[:6], report["rows"]
     assert len(rows) == len(forwards) == 6
     fields = ROW_FIELDS | ({"active_stock"} if mode == "oea" else set())
-    assert all(set(row) == fields for row in rows), [sorted(set(row) ^ fields) for row in rows]
+    # ``reason`` only in the DECODE rows that kept SGLang's routing: every one with OEA off, the 1-row batch
+    # (below OEA_MIN_BATCH=2) with it on
+    kept = [f["mode"] == "DECODE" and (mode == "observe" or (f["real"] or f["rows"]) < 2) for f in forwards]
+    assert kept == ([True, True, False, True, True, True] if mode == "observe" else
+                    [False, False, False, False, True, False])
+    expected = [fields | ({"reason"} if k else set()) for k in kept]
+    assert [set(row) for row in rows] == expected, [sorted(set(r) ^ e) for r, e in zip(rows, expected, strict=True)]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     assert all(row["pid"] == report["pid"] and row["rank"] == 0 and row["layers"] == 3 for row in rows)
     assert [row["time"] for row in rows] == sorted(row["time"] for row in rows)
