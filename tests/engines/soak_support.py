@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from folder_removal import remove_folder_under_writer
+
 from oea.soak.checks import across_arms, arm_checks, metrics_checks, read_metrics, trace_checks
 from oea.soak.client import run_phases
 from oea.soak.mix import Phase, SoakRequest
@@ -178,13 +180,25 @@ class Soak:
         self.out["served_logs"][name] = self.log(name)
 
     def remove_mid_soak(self, name: str, folder: Path, cfg: SoakConfig, after_s: float = 8.0) -> None:
-        """The arm's soak, with ``folder`` removed ``after_s`` seconds into it."""
-        remover = threading.Timer(after_s, shutil.rmtree, args=(folder,))
+        """The arm's soak, with ``folder`` removed ``after_s`` seconds into it (``remove_folder_under_writer``);
+        the removal's own error, if any, fails the part."""
+        failed: list[BaseException] = []
+
+        def remove() -> None:
+            try:
+                remove_folder_under_writer(folder)
+            except BaseException as err:  # re-raised below, in the test's thread
+                failed.append(err)
+
+        remover = threading.Timer(after_s, remove)
         remover.start()
         try:
             self.soak_arm(name, cfg)
         finally:
             remover.join()
+        if failed:
+            raise RuntimeError(f"removing {folder} mid-soak failed") from failed[0]
+
 
 
 def part(soak: dict[str, Any], *names: str) -> None:
