@@ -65,6 +65,8 @@ def test_one_row_per_forward_with_the_vllm_fields(runs: dict[str, tuple[dict[str
                     [False, False, False, False, True, False])
     expected = [fields | ({"reason"} if k else set()) for k in kept]
     assert [set(row) for row in rows] == expected, [sorted(set(r) ^ e) for r, e in zip(rows, expected, strict=True)]
+    assert [row.get("reason") for row in rows] == \
+        [("oea_off" if mode == "observe" else "below_min_batch") if k else None for k in kept]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     assert all(row["pid"] == report["pid"] and row["rank"] == 0 and row["layers"] == 3 for row in rows)
     assert [row["time"] for row in rows] == sorted(row["time"] for row in rows)

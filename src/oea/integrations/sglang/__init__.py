@@ -23,7 +23,9 @@ One job per file:
 * ``placement.py``: ``OEA_POLICY=ep``, each layer's expert placement from SGLang's EP layout;
 * ``recording.py``: ``OEA_TRACE_FILE``, the SGLang side of ``oea.integrations.recording.recorder``;
 * ``metrics.py``: ``OEA_METRICS_FILE`` (and ``OEA_TIMING``), the SGLang side of ``oea.integrations.metrics``: one
-  row per forward, as vLLM's;
+  row per forward, as vLLM's, with why a decode or verify forward kept SGLang's routing;
+* ``prometheus.py``: the ``oea_*`` series on SGLang's own ``/metrics`` (``--enable-metrics``, OEA on), fed by the
+  same records as the metrics file;
 * ``specs.py``: SGLang's ``TopKConfig`` -> ``RouterSpec`` (or why not);
 * ``state.py``: per-process state and the per-thread forward-mode stack;
 * ``targets.py``: supported versions, entry point, hooked functions and the parameters they must have;

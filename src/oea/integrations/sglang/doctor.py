@@ -32,6 +32,7 @@ from oea.integrations.sglang.hooks import (
 )
 from oea.integrations.sglang.placement import doctor_placement
 from oea.integrations.sglang.plugin import deterministic_setting, install, register, topk_bypasses
+from oea.integrations.sglang.prometheus import doctor_line as prometheus_doctor_line
 from oea.integrations.sglang.targets import engine_version
 from oea.routing import OEAConfig, RouterSpec, active_experts, route, same_routing
 
@@ -46,8 +47,9 @@ def doctor_checks() -> list[dict[str, Any]]:
     Version, environment, entry point (registered, loads), imports (SGLang's MoE module with its
     dependencies: a missing one is named as such), plugin system, every hook target with its
     signature, hooks live after SGLang's own ``load_plugins()``, a self-test through the real
-    ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context, and the mechanism that
-    bounds CUDA-graph padding rows ("cuda-graph padding").
+    ``select_experts`` on CPU tensors in a DECODE and an EXTEND forward context, the mechanism that
+    bounds CUDA-graph padding rows ("cuda-graph padding"), and whether the ``oea_*`` series reach SGLang's
+    ``/metrics`` ("prometheus export").
     """
     try:  # every OEA_* setting, read once as register reads them; malformed: each check that needs them says why
         settings: EnvSettings | ValueError = all_settings_from_env()
@@ -74,6 +76,7 @@ def doctor_checks() -> list[dict[str, Any]]:
     if imports_ok:
         checks.append(check_call("cuda-graph padding", lambda: _check_padding(_readable(settings))))
         checks.append(check_call("ep placement", doctor_placement))
+        checks.append(check("prometheus export", *prometheus_doctor_line()))
         checks.append(bypass.doctor_check(_bypasses_as_served))
     return checks
 

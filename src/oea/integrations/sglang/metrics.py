@@ -30,8 +30,10 @@ from typing import Any
 import torch
 
 import oea.integrations.sglang.padding as padding
+import oea.integrations.sglang.prometheus as prometheus
 from oea.config import EnvSettings
 from oea.integrations.metrics import MetricsWriter, StepRecord, routed_hash
+from oea.integrations.prometheus import Exporter
 from oea.integrations.recording.recorder import trace_path_problem
 from oea.integrations.runtime import tracing
 from oea.integrations.sglang.specs import shared_topk_slots
@@ -52,6 +54,11 @@ class _Metrics:
     depth: int = 0  # forward contexts entered (only the outermost one is a step)
     started: float = 0.0  # perf_counter at the current routing call's select_experts (OEA_TIMING)
     first_layer: Any = None  # layer_id of the first MoE layer routed in a forward (counts rows outside forwards)
+    settings: EnvSettings | None = None  # the process's settings (the Prometheus export's k0 and min_batch)
+    export: bool = False  # the oea_* series are exported (OEA_K0 and SGLang's --enable-metrics): a writer even
+    # without OEA_METRICS_FILE
+    exporter: Exporter | None = None
+    layers_set: bool = False  # the exporter's per-layer series were made (at the first forward that routed)
 
 
 METRICS = _Metrics()  # one per process, never replaced
@@ -63,6 +70,7 @@ def configure(settings: EnvSettings, timing: bool | None = None) -> None:
     METRICS.timing, METRICS.oea = settings.timing if timing is None else timing, settings.oea is not None
     METRICS.flush_s = settings.metrics_flush_s
     METRICS.path, METRICS.checked = settings.metrics_file or None, False
+    METRICS.settings, METRICS.export = settings, prometheus.export_directory(settings) is not None
 
 
 def _writable() -> bool:
@@ -86,7 +94,7 @@ def observing() -> bool:
 @contextlib.contextmanager
 def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
     """Around one forward of ``forward_batch`` in ``mode`` (a ``ForwardMode``): its metrics row."""
-    if METRICS.path is None or METRICS.depth or tracing() or not _writable():
+    if METRICS.depth or tracing() or not (_writable() or METRICS.export):
         METRICS.depth += 1
         try:
             yield
@@ -94,7 +102,8 @@ def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
             METRICS.depth -= 1
         return
     if METRICS.writer is None:
-        METRICS.writer = MetricsWriter(METRICS.path, METRICS.flush_s, log)
+        _start_writer()
+    assert METRICS.writer is not None
     METRICS.step += 1
     METRICS.record = StepRecord(decode=mode_rerouted(mode), oea=METRICS.oea, verify=_holds(mode, "is_target_verify"),
                                 outside_rows=METRICS.writer.outside_rows,
@@ -108,6 +117,33 @@ def forward(forward_batch: Any, mode: Any) -> Iterator[None]:
         record, METRICS.record = METRICS.record, None
         if record is not None and record.active:  # a forward that routed (an idle batch routes nothing)
             METRICS.writer.add(METRICS.step, record)
+            if not METRICS.layers_set:
+                METRICS.layers_set = True
+                _set_layers(list(record.active))
+
+
+def _start_writer() -> None:
+    """This process's writer (at its first forward: only the processes that run the model), feeding
+    ``OEA_METRICS_FILE`` and, with export on, the ``oea_*`` series (``prometheus.py``)."""
+    exporter = None
+    if METRICS.export:
+        try:
+            exporter = prometheus.start_export(METRICS.settings)
+        except Exception as err:  # never into SGLang's forward pass: the file (if any) goes on without export
+            warn_once("prometheus-start", f"the Prometheus export cannot start ({type(err).__name__}: {err}); "
+                                          "serving continues without oea_* series")
+        METRICS.export = exporter is not None
+    METRICS.exporter = exporter
+    METRICS.writer = MetricsWriter(METRICS.path, METRICS.flush_s, log, export=exporter)
+
+
+def _set_layers(layers: list[int]) -> None:
+    """The exporter's per-layer series for the MoE layers of the first forward that routed."""
+    try:
+        prometheus.layers_known(METRICS.exporter, layers)
+    except Exception as err:  # the series then appear at their first count
+        warn_once("prometheus-layers", f"the Prometheus per-layer series cannot be made ({type(err).__name__}: "
+                                       f"{err}); they appear at their first count, serving continues")
 
 
 def call_started() -> None:
@@ -116,9 +152,11 @@ def call_started() -> None:
         METRICS.started = time.perf_counter()
 
 
-def layer_routed(kwargs: dict[str, Any], result: tuple[torch.Tensor, torch.Tensor] | None, rewrite_us: float) -> None:
+def layer_routed(kwargs: dict[str, Any], result: tuple[torch.Tensor, torch.Tensor] | None, rewrite_us: float,
+                 why: str | None = None) -> None:
     """One routing call: ``kwargs`` are ``_post_process_topk_ids``' (SGLang's [M, k + s] ids and weights),
-    ``result`` the ids and weights OEA replaced them with (None: SGLang's kept), ``rewrite_us`` OEA's time.
+    ``result`` the ids and weights OEA replaced them with (None: SGLang's kept, because of ``why``, a
+    ``PASSTHROUGH_REASONS`` key, recorded in decode and verify forwards), ``rewrite_us`` OEA's time.
     Rows past the call's real-row count (``padding.bound``) are padding, never counted. Never raises into
     SGLang."""
     record = METRICS.record
@@ -146,6 +184,8 @@ def layer_routed(kwargs: dict[str, Any], result: tuple[torch.Tensor, torch.Tenso
         record.rows = rows if valid is None else int(valid.sum())
         record.padding_rows = rows - record.rows
         record.oea = record.oea and result is not None
+        if result is None and why is not None and (record.decode or record.verify):
+            record.passthrough[key] = why
         record.routed[key] = routed_hash(new_ids, new_weights, valid)
         record.active[key] = active_experts(new_ids, new_weights, valid)
         if METRICS.oea:  # counted from SGLang's own output on every call, so a wrongly rewritten forward shows

@@ -21,12 +21,23 @@ import torch
 
 import oea.integrations.sglang.targets as targets
 from oea.config import EnvSettings, layer_configs
+from oea.integrations.metrics import PASSTHROUGH_REASONS
 from oea.integrations.sglang.specs import UnsupportedRouting, router_spec_from_topk_config
 from oea.integrations.sglang.state import STATE
 from oea.kernels import NumbaRouter, plan
 from oea.routing import EPOEAConfig, LayerConfigs, OEAConfig, RouterSpec
 
 UNDECIDED = -1  # trace_slot before the layer's first recorded call decides it
+
+
+def _reason(name: str) -> str:
+    """A pass-through reason, looked up in the one list every engine shares (a name not there fails at import)."""
+    return next(key for key in PASSTHROUGH_REASONS if key == name)
+
+
+# why a call keeps SGLang's routing (the metrics line's ``reason``, the ``oea_*`` series' ``reason`` label)
+BELOW_MIN_BATCH, K0_COVERS_TOP_K, LAYER_FAILED, OEA_OFF, VERIFY_NOT_APPLIED = map(
+    _reason, ("below_min_batch", "k0_covers_top_k", "layer_failed", "oea_off", "verify_not_applied"))
 
 
 @dataclass(eq=False)
@@ -94,6 +105,7 @@ class RouterCall:
     non_padded: torch.Tensor | int | None = None  # 3. rows >= this count are padding (None: every row real)
     eager_cpu: bool = False  # 4. CPU logits outside tracing: the prepared kernel and the host fillers run
     rerouted: bool = False  # 4-5. OEA's routing was spliced into SGLang's output
+    why: str | None = None  # 2-4. why SGLang's routing was kept (K0_COVERS_TOP_K, BELOW_MIN_BATCH)
 
 
 def router_state(layer_id: Any, topk_config: Any, num_experts: int) -> RouterState:

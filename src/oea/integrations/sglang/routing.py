@@ -30,7 +30,17 @@ from oea.integrations.sglang.fillers import (
     earlier_mask,
 )
 from oea.integrations.sglang.placement import ep_config
-from oea.integrations.sglang.router_state import RouterCall, RouterState, recorded_spec, router_state
+from oea.integrations.sglang.router_state import (
+    BELOW_MIN_BATCH,
+    K0_COVERS_TOP_K,
+    LAYER_FAILED,
+    OEA_OFF,
+    VERIFY_NOT_APPLIED,
+    RouterCall,
+    RouterState,
+    recorded_spec,
+    router_state,
+)
 from oea.integrations.sglang.specs import UnsupportedRouting
 from oea.integrations.sglang.state import PHASE, STATE, decode_active, warn_once
 from oea.kernels import NumbaRouter, route_fast
@@ -105,62 +115,67 @@ def select_experts_before(*args: Any, **kwargs: Any) -> None:
 
 def post_process_before(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """BEFORE ``_post_process_topk_ids(**kw)``: replace the routed ids/weights in DECODE forwards; with
-    ``OEA_METRICS_FILE``, count every call (``metrics.layer_routed``)."""
+    ``OEA_METRICS_FILE`` or the Prometheus export, count every call and why it kept SGLang's routing
+    (``metrics.layer_routed``)."""
     if metrics.METRICS.writer is None or args:
-        return _rewrite(args, kwargs)
+        return _rewrite(args, kwargs)[0]
     start = time.perf_counter()
-    changed = _rewrite(args, kwargs)
+    changed, why = _rewrite(args, kwargs)
     elapsed_us = (time.perf_counter() - start) * 1e6
     result = None if changed is None else (changed[1]["topk_ids"], changed[1]["topk_weights"])
-    metrics.layer_routed(kwargs, result, elapsed_us)
+    metrics.layer_routed(kwargs, result, elapsed_us, why)
     return changed
 
 
-def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """``post_process_before``'s rewrite: the new call arguments, or None (SGLang's routing kept)."""
+Rewrite = tuple[tuple[tuple[Any, ...], dict[str, Any]] | None, str | None]
+
+
+def _rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Rewrite:
+    """``post_process_before``'s rewrite: (the new call arguments, or None when SGLang's routing is kept; why it is
+    kept, a ``PASSTHROUGH_REASONS`` key, None when rewritten or when no listed reason fits: "unknown")."""
     if not STATE.rewrite_hook_seen:
         STATE.rewrite_hook_seen = True
         if not STATE.phase_hook_seen and STATE.settings is not None:
             warn_once("no-phase", "no forward-mode hook has run yet; routing calls outside a decode "
                                   "forward keep SGLang's routing")
     if not decode_active():
-        return None
+        return None, VERIFY_NOT_APPLIED  # recorded only in a verify forward: the others are prefill
     if recording.TRACE.settings is not None and not args:
         _record(kwargs)  # the router's own logits, before any rewrite
     settings = STATE.settings
     if settings is None or settings.oea is None:
-        return None
+        return None, OEA_OFF
     if args:
         warn_once("positional", f"{targets.POST_PROCESS_TARGET} called positionally (unsupported SGLang "
                                 f"version {targets.engine_version()}; supported: {targets.SUPPORTED_VERSIONS}); "
                                 "passing through")
-        return None
+        return None, None
     if PHASE.dynamic_bias:
         warn_once("dynamic-bias", "per-token dynamic_expert_bias routing (Bailing/Ling) passes through")
-        return None
+        return None, None
     layer_id = kwargs.get("layer_id")
     state = None
     try:
         router_logits = kwargs["router_logits"]
         state = router_state(layer_id, kwargs["topk_config"], router_logits.shape[1])
         if _keeps_layer(state):
-            return None
+            return None, LAYER_FAILED if state.failed else None
         call = RouterCall(state, router_logits.shape[0])
         result = _route(call, kwargs, router_logits, layer_id)
     except UnsupportedRouting as why:
         warn_once(f"unsupported:{why}", unsupported_layer_message(layer_id, str(why)))
-        return None
+        return None, None
     except Exception as err:  # never take the server down from inside a forward pass
         if state is not None and not torch.compiler.is_compiling():
             state.failed = True  # SGLang's routing in this layer from now on: one warning, no retry every call
         warn_once.exception(f"error:{type(err).__name__}:{layer_id}",
                             f"routing rewrite failed on layer {layer_id}; passing through")
-        return None
+        return None, LAYER_FAILED
     if result is None:
-        return None
+        return None, call.why
     if call.eager_cpu or not torch.compiler.is_compiling():  # a counter traced by Dynamo: a recompiling guard
         STATE.rewrites += 1
-    return args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}
+    return (args, {**kwargs, "topk_ids": result[0], "topk_weights": result[1]}), None
 
 
 def _keeps_layer(state: RouterState) -> bool:
@@ -193,15 +208,20 @@ def _route(call: RouterCall, kwargs: dict[str, Any], router_logits: torch.Tensor
     # 2. keep SGLang's routing where OEA changes nothing
     call.keep = keeps_every_top_k(cfg, spec)
     if call.keep:
+        call.why = K0_COVERS_TOP_K
         return None
     # 3. the real rows: SGLang's count of them, or OEA's own where SGLang keeps none
     call.non_padded = padding.bound(router_logits, kwargs.get("num_token_non_padded"))
     # 4-5. OEA over the real rows, spliced into SGLang's output (layer_id: the chaos tests' switch reads it here)
     call.eager_cpu = eager_cpu = router_logits.is_cpu and not torch.compiler.is_compiling()
+    if eager_cpu and call.non_padded is not None and int(call.non_padded) < cfg.min_batch:
+        call.why = BELOW_MIN_BATCH  # on the host for free: the splice would keep every row anyway
+        return None
     kernel = state.prepared_kernel(router_logits, cfg) if eager_cpu else None
     result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg, call.non_padded,
                           kernel=kernel)
     if result is None:
+        call.why = BELOW_MIN_BATCH
         return None
     call.rerouted = True
     # 6. fillers SGLang's native MoE can run (it miscounts a row's repeated ids: fillers.py); routed-experts capture
