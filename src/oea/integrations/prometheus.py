@@ -331,6 +331,18 @@ def make_exporter(
     return None
 
 
+def doctor_off_line(env: dict[str, str]) -> tuple[bool, str] | None:
+    """The ``prometheus export`` doctor line every engine shares when no series can be exported in ``env`` (OEA
+    off, prometheus_client missing): (ok, detail); None when the engine's own line applies."""
+    if not env.get("OEA_K0", env.get("SGLANG_OEA_K0", "")).strip():
+        return True, "off (OEA_K0 unset: no oea_* series)"
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False, "prometheus_client is not installed in this environment: pip install prometheus_client"
+    return None
+
+
 def parse_port(raw: str) -> tuple[str, int]:
     """``OEA_PROMETHEUS_PORT``'s value, ``PORT`` or ``HOST:PORT`` -> (host, port); host 0.0.0.0 when not given.
     ``ValueError`` naming the variable and the allowed values (the words of ``oea.config.variables``)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import oea.integrations.sglang.recording as recording
 from oea.config import EnvSettings
-from oea.integrations.prometheus import Exporter, make_exporter
+from oea.integrations.prometheus import Exporter, doctor_off_line, make_exporter
 from oea.integrations.runtime import process_rank
 from oea.integrations.sglang.state import log, warn_once
 
@@ -67,12 +67,9 @@ def start_export(settings: EnvSettings | None) -> Exporter | None:
 def doctor_line(env: dict[str, str] | None = None) -> tuple[bool, str]:
     """``oea doctor sglang``'s ``prometheus export`` line: (ok, whether the series reach SGLang's ``/metrics``)."""
     env = dict(os.environ) if env is None else env
-    if not env.get("OEA_K0", env.get("SGLANG_OEA_K0", "")).strip():
-        return True, "off (OEA_K0 unset: no oea_* series)"
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        return False, "prometheus_client is not installed in this environment: pip install prometheus_client"
+    off = doctor_off_line(env)
+    if off is not None:
+        return off
     if env.get(DIRECTORY_VARIABLE):
         return True, (f"on SGLang's /metrics with --enable-metrics (the schedulers write into "
                       f"{DIRECTORY_VARIABLE}={env[DIRECTORY_VARIABLE]})")
