@@ -46,6 +46,8 @@ IDLE_ARGS = ("--sleep-on-idle",)  # an idle scheduler waits on its sockets inste
 # Routed-experts return (routing replay): SGLang's flag, and the test support that lets a CPU server use it (its
 # capturer would pin a host buffer with cudaHostRegister: sglang_routed_experts/sitecustomize.py)
 ROUTED_EXPERTS_ARGS = ("--enable-return-routed-experts",)
+# SGLang's own /metrics (prometheus_client multiprocess mode), where the plugin's oea_* series go with OEA on
+METRICS_ARGS = ("--enable-metrics",)
 ROUTED_EXPERTS_SUPPORT = Path(__file__).resolve().parent / "sglang_routed_experts"
 PROMPTS = ("def parse_args(argv):\n    ", "class Config:\n    def __init__(self", "import os\nimport sys\n\n",
            "    for key, value in", "def main():\n    parser = ", "    return self._", "# Copyright",
@@ -96,11 +98,12 @@ def server_arms(work: Path, modules: set[str]) -> list[Arm]:
                                             if p)}
     if modules - {GLM_MODULE}:
         arms += [
-            Arm("off", replay, args=ROUTED_EXPERTS_ARGS),
+            Arm("off", replay, args=(*ROUTED_EXPERTS_ARGS, *METRICS_ARGS)),
             Arm("k0_top_k", {"OEA_K0": str(EMBEDDED_TOP_K), **replay}, args=ROUTED_EXPERTS_ARGS),
             Arm("k0_3", {"OEA_K0": "3", "OEA_METRICS_FILE": str(work / "k0_3.metrics.jsonl"), **replay}, trace=True,
                 args=ROUTED_EXPERTS_ARGS),
-            Arm("alias_3", {"SGLANG_OEA_K0": "3", "OEA_METRICS_FILE": str(work / "alias_3.metrics.jsonl")}),
+            Arm("alias_3", {"SGLANG_OEA_K0": "3", "OEA_METRICS_FILE": str(work / "alias_3.metrics.jsonl")},
+                args=METRICS_ARGS),
             Arm("k0_9", {"OEA_K0": "9"}),  # more than the model's top_k: the router does not fit the settings
             Arm("bad", {"OEA_K0": BAD_K0}),
         ]

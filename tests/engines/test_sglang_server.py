@@ -171,3 +171,29 @@ def test_sglang_server_k0_3_records_its_decode_forwards_and_their_active_experts
             vanilla.append(int(oea.active_experts(*oea.route(logits, SPEC, oea.OEAConfig(TOP_K)))))
             routed.append(int(oea.active_experts(*oea.route(logits, SPEC, oea.OEAConfig(3)))))
     assert routed and sum(routed) < 0.8 * sum(vanilla), (sum(routed), sum(vanilla))
+
+
+def test_prometheus_sglang_counters_on_sglangs_metrics_equal_the_metrics_file(servers: dict[str, Live]) -> None:
+    """The SGLANG_OEA_K0=3 server runs with --enable-metrics: after eight requests decoded together and two one at
+    a time, the oea_* counters on SGLang's own /metrics equal exactly what its scheduler's metrics file counted."""
+    from prometheus_live import file_counts, scraped_counts, settled
+
+    live = servers["alias_3"]
+    generate(live.url, PROMPTS[:8])  # eight sequences in one batch: rewritten decode forwards
+    generate_one_by_one(live.url, PROMPTS[:2], ONE_BY_ONE_TOKENS)  # one row: below OEA_MIN_BATCH
+    samples, rows = settled(live.url, Path(live.arm.env["OEA_METRICS_FILE"]))
+    scraped, counted = scraped_counts(samples), file_counts(rows)
+    assert scraped == counted
+    assert counted["rewritten"] > 0 and counted["reason:below_min_batch"] > 0, counted
+    enabled = [(labels, value) for name, labels, value in samples if name == "oea_enabled"]
+    assert [(labels["engine"], labels["k0"], labels["rank"], value) for labels, value in enabled] == \
+        [("sglang", "3", "0", 1.0)], enabled
+
+
+def test_prometheus_sglang_off_exports_no_oea_series(servers: dict[str, Live], off: list[dict]) -> None:
+    """The OEA-off server with --enable-metrics, after its traffic: SGLang's own series, no oea_* one."""
+    from prometheus_live import scrape
+
+    samples = scrape(servers["off"].url)
+    assert any(name.startswith("sglang:") for name, _, _ in samples), "SGLang's /metrics served nothing"
+    assert not [name for name, _, _ in samples if name.startswith("oea_")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import types
 from pathlib import Path
@@ -158,3 +159,28 @@ def test_prometheus_sglang_reasons_are_the_shared_ones() -> None:
 def test_prometheus_sglang_doctor_line(env: dict[str, str], ok: bool, says: str) -> None:
     got_ok, detail = sglang_prometheus.doctor_line(env)
     assert got_ok is ok and says in detail, detail
+
+
+def test_prometheus_sglang_files_beside_sglangs_own_in_the_same_process(tmp_path: Path) -> None:
+    """SGLang's scheduler writes its own prometheus_client metrics into the same directory from the same process:
+    each keeps its own files, and the collector reads both (one shared mmap file: each writer appends at its own
+    end and overwrites the other's keys, and /metrics answers 500)."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from oea.integrations.metrics import MetricsWriter, StepRecord
+    from oea.integrations.prometheus import make_exporter
+
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    own = MmapedDict(str(directory / f"counter_{os.getpid()}.db"))  # prometheus_client's file in multiprocess mode
+    own.write_value(mmap_key("sglang:requests", "sglang:requests_total", [], [], "h"), 1.0, 0.0)
+    exporter = make_exporter("sglang", "m", str(directory), logging.getLogger("test"))
+    writer = MetricsWriter(None, 3600.0, export=exporter)
+    record = StepRecord(decode=True, oea=True, rows=3)
+    record.active[0] = torch.tensor(3)
+    writer.add(1, record)
+    writer.flush()
+    own.write_value(mmap_key("sglang:tokens", "sglang:tokens_total", [], [], "h"), 7.0, 0.0)
+    got = scrape(directory)
+    assert total(got, "sglang:requests_total") == 1 and total(got, "sglang:tokens_total") == 7
+    assert total(got, "oea_forwards_total", phase="decode") == 1

@@ -4,8 +4,9 @@ Engine-free, below the adapters: an adapter hands its ``MetricsWriter`` an ``Exp
 writer's thread gives it every flush's ``StepRecord``s with the very lines ``OEA_METRICS_FILE`` gets, so a
 metrics-file line and the series count the same forwards by construction, in every engine.
 
-The series are written in prometheus_client's multiprocess format (one ``<type>_<pid>.db`` file per process
-and type in a directory; gauges in ``gauge_max_<pid>.db``: multiprocess mode ``max``) and read back by
+The series are written in prometheus_client's multiprocess format (one ``<type>_<pid>-oea<n>.db`` file per
+exporter and type in a directory, never prometheus_client's own ``<type>_<pid>.db`` of the same process; gauges
+in ``gauge_max_<pid>-oea<n>.db``: multiprocess mode ``max``) and read back by
 prometheus_client's own ``MultiProcessCollector``: the engine's ``/metrics`` aggregates them where its registry
 reads the directory (SGLang ``--enable-metrics``: ``PROMETHEUS_MULTIPROC_DIR``; vLLM: ``oea.integrations.vllm.
 prometheus``), else a worker serves them on ``OEA_PROMETHEUS_PORT`` (``serve_port``). The files are written
@@ -21,6 +22,7 @@ prometheus_client is imported only when an exporter is made: it is not a depende
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -31,6 +33,7 @@ from oea.config.variables import BY_NAME
 from oea.integrations.metrics import PASSTHROUGH_REASONS, StepRecord
 
 PORT_VARIABLE = "OEA_PROMETHEUS_PORT"
+_EXPORTERS = itertools.count()
 PHASES = ("decode", "verify", "prefill")
 # Per-forward routing time summed over the layers (OEA_TIMING), in seconds.
 ROUTING_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, float("inf"))
@@ -137,9 +140,10 @@ class Exporter:
         self._per_layer: dict[tuple[str, int, int], float] = {}  # a flush's per-layer sums, while it is counted
         self._trace_seen = (0, 0)
         self._ready: set[int] = set()  # ranks whose fixed series exist (at 0 until counted)
+        self._number = next(_EXPORTERS)  # this process's exporters, numbered: each writes files of its own
 
     def _write(self, prefix: str, family: str, sample: str, labels: dict[str, str], value: float, add: bool) -> None:
-        """Add ``value`` to (or set) one sample in this process's ``<prefix>_<pid>.db`` file; while a flush's
+        """Add ``value`` to (or set) one sample in this exporter's ``<prefix>_<pid>-oea<n>.db`` file; while a flush's
         records are counted (``__call__``) additions are summed and written once per sample at its end."""
         slot = (prefix, family, sample, tuple(labels.items()))
         if add and self._sums is not None:
@@ -151,12 +155,16 @@ class Exporter:
         prefix, family, sample, labels = slot
         handle = self._files.get(prefix)
         if handle is None:
-            handle = self._files[prefix] = self._open(os.path.join(self.directory, f"{prefix}_{os.getpid()}.db"))
+            # a file of this exporter's own: prometheus_client's metrics of the same process (SGLang's scheduler
+            # writes its own into the same directory) keep theirs in <prefix>_<pid>.db, and two writers of one
+            # mmap file each append at their own end, overwriting the other's keys
+            name = f"{prefix}_{os.getpid()}-oea{self._number}.db"
+            handle = self._files[prefix] = self._open(os.path.join(self.directory, name))
         key = self._keys.get(slot)
         if key is None:
             names, values = [name for name, _ in labels], [value for _, value in labels]
             key = self._keys[slot] = self._key(family, sample, names, values, SERIES[family].help)
-        # added to what the file holds, so two exporters of one process (one per writer) never undo each other
+        # a counter adds to the running total its file holds
         handle.write_value(key, handle.read_value(key)[0] + value if add else value, 0.0)
 
     def _labels(self, rank: int, **extra: Any) -> dict[str, str]:
