@@ -24,9 +24,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from engine_venvs import ROOT, child_env, engine_python
 from server_harness import free_port
 
+import oea
 from oea.launch.server_process import Server
 from oea.launch.sglang_server import cpu_server_args, start_server, stop_server, wait_healthy
 from oea.models import embedded_model_dir
@@ -199,3 +201,16 @@ def wait_for_file(path: Path, timeout: float = 60.0) -> bool:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def served_routing(logits: Any, spec: Any, cfg: Any) -> tuple[Any, Any]:
+    """What the plugin hands SGLang's MoE for one rewritten call over ``logits`` [M, N]: ``oea.route_fast``, the
+    plugin's own kernel choice (the compiled numba kernel on CPU, installed in both venvs at the same version, so
+    the same bits as the server's), checked here against ``oea.route``: the same ids [M, k] in the same order, and
+    weights [M, k] within float32 rounding (the kernel sums and divides in another order: up to 6e-8 apart, which
+    a bit-exact hash of the weights would call a different routing)."""
+    ids, weights = oea.route_fast(logits, spec, cfg)
+    reference_ids, reference_weights = oea.route(logits, spec, cfg)
+    assert torch.equal(ids.to(torch.int64), reference_ids.to(torch.int64)), "route_fast's ids are not oea.route's"
+    torch.testing.assert_close(weights.float(), reference_weights.float(), rtol=0, atol=1e-6)
+    return ids, weights

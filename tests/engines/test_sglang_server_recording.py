@@ -25,7 +25,15 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_server import K0_3_ROUNDS, K0_3_TOKENS, ONE_BY_ONE, ONE_BY_ONE_TOKENS, PAIR_TOKENS, PROMPTS
+from sglang_server import (
+    K0_3_ROUNDS,
+    K0_3_TOKENS,
+    ONE_BY_ONE,
+    ONE_BY_ONE_TOKENS,
+    PAIR_TOKENS,
+    PROMPTS,
+    served_routing,
+)
 from sglang_venv import ROOT, run_script_json
 
 import oea
@@ -48,10 +56,10 @@ def served(sglang_k0_3_served: dict[str, Any]) -> dict[str, Any]:
 
 
 def _routed_hash(logits: Any, spec: oea.RouterSpec, cfg: oea.OEAConfig) -> str:
-    """The metrics rows' ``routed`` hash of what SGLang's MoE got from one rewritten call: ``oea.route`` over the
-    call's real rows, its zero-weight filler repeats renamed to distinct experts (``distinct_fillers``, as the
-    plugin does for SGLang's native MoE)."""
-    ids, weights = oea.route(logits, spec, cfg)
+    """The metrics rows' ``routed`` hash of what SGLang's MoE got from one rewritten call: OEA over the call's real
+    rows (``served_routing``: the plugin's kernel, checked against ``oea.route``), its zero-weight filler repeats
+    renamed to distinct experts (``distinct_fillers``, as the plugin does for SGLang's native MoE)."""
+    ids, weights = served_routing(logits, spec, cfg)
     return routed_hash(*distinct_fillers(ids, weights, spec.top_k, spec.num_experts), None)
 
 
@@ -98,7 +106,7 @@ def test_sglang_server_sglangs_own_topk_on_the_recorded_logits_gives_active_stoc
         assert row["active"] == [int(oea.active_experts(*oea.route(trace.logits[rows, layer], trace.spec, K0)))
                                  for layer in range(trace.num_layers)], step
         assert row["routed"] == [_routed_hash(trace.logits[rows, layer], trace.spec, K0)
-                                 for layer in range(trace.num_layers)], f"step {step}: not oea.route's ids/weights"
+                                 for layer in range(trace.num_layers)], f"step {step}: not OEA's ids/weights"
 
 
 def test_sglang_server_simulate_lockstep_reproduces_the_servers_vanilla_t(served: dict[str, Any],

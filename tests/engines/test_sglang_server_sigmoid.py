@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_server import GLM_TOP_K, PROMPTS, Live, generate, read_jsonl
+from sglang_server import GLM_TOP_K, PROMPTS, Live, generate, read_jsonl, served_routing
 
 import oea
 from oea.integrations.metrics import routed_hash
@@ -85,9 +85,9 @@ def check_rewrites_are_oea_route(trace: Any, decode: list[dict[str, Any]]) -> No
             assert row["active"] == row["active_stock"] and not row["oea"], step
             continue
         rewritten += 1
-        expected = [oea.route(trace.logits[batch, layer], trace.layer_spec(layer), cfg)
+        expected = [served_routing(trace.logits[batch, layer], trace.layer_spec(layer), cfg)
                     for layer in range(trace.num_layers)]
         assert row["oea"] and row["active"] == [int(oea.active_experts(*e)) for e in expected], step
         assert row["routed"] == [routed_hash(*distinct_fillers(*e, TOP_K, trace.spec.num_experts), None)
-                                 for e in expected], f"step {step}: not oea.route's ids / weights"
+                                 for e in expected], f"step {step}: not OEA's ids / weights"
     assert rewritten >= len(decode) // 2, (rewritten, len(decode))
