@@ -157,11 +157,14 @@ def test_chaos_a_layer_whose_routing_raises_keeps_stock_routing_and_serving_goes
     assert "Traceback" not in log, "nothing raised into vLLM"
     rows = [r for r in read_metrics(soak["arms"]["full"]["OEA_METRICS_FILE"]) if r["decode"] and r["rows"] >= 2]
     layers = max(r["layers"] for r in rows)
-    failing = [r for r in rows if r["layers"] == layers - 1]  # the call that raised recorded nothing for its layer
-    assert len(failing) == 1, [r["step"] for r in failing]
-    after = [r for r in rows if r["step"] > failing[0]["step"]]
-    assert after and all(r["layers"] == layers for r in after)
+    assert all(r["layers"] == layers for r in rows), "the call that raised is counted too (with vLLM's routing)"
+    # the step of the call that raised, and every one after it, kept vLLM's routing in that layer, and say why
+    first = next(i for i, r in enumerate(rows) if r.get("reason") == "layer_failed")
+    assert all(r["oea"] and "reason" not in r for r in rows[:first]), "rewritten in every layer before the failure"
+    after = rows[first:]
+    assert all(not r["oea"] and r["reason"] == "layer_failed" for r in after), [r.get("reason") for r in after]
     assert all(r["active"][RAISING_ROUTER] == r["active_stock"][RAISING_ROUTER] for r in after), "stock from then on"
+    assert any(r["active"][0] < r["active_stock"][0] for r in after), "the other layers keep OEA"
     assert any(r["active"][0] < r["active_stock"][0] for r in after), "the other layers keep OEA"
 
 
