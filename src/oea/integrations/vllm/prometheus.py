@@ -26,7 +26,7 @@ import tempfile
 import uuid
 from typing import Any
 
-from oea.integrations.prometheus import PORT_VARIABLE, Exporter, make_exporter, parse_port, serve_port
+from oea.integrations.prometheus import PORT_VARIABLE, Exporter, doctor_off_line, make_exporter, parse_port, serve_port
 from oea.integrations.runtime import process_rank
 from oea.integrations.vllm.state import STATE, log
 
@@ -98,12 +98,9 @@ def start_worker_export(model_config: Any) -> Exporter | None:
 def doctor_line(env: dict[str, str] | None = None) -> tuple[bool, str]:
     """``oea doctor vllm``'s ``prometheus export`` line: (ok, which endpoint is live) for this environment."""
     env = dict(os.environ) if env is None else env
-    if not env.get("OEA_K0", env.get("SGLANG_OEA_K0", "")).strip():
-        return True, "off (OEA_K0 unset: no oea_* series)"
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        return False, "prometheus_client is not installed in this environment: pip install prometheus_client"
+    off = doctor_off_line(env)
+    if off is not None:
+        return off
     if env.get(VLLM_DIRECTORY_VARIABLE):
         live = f"on vLLM's /metrics (the workers write into {VLLM_DIRECTORY_VARIABLE}={env[VLLM_DIRECTORY_VARIABLE]})"
     else:
