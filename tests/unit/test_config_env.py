@@ -225,3 +225,16 @@ def test_process_settings_complete_routing_settings_once() -> None:
     assert full == all_settings_from_env(env)
     assert (full.timing, full.metrics_flush_s, full.trace.path, full.process) == (True, 7.0, "/tmp/t.safetensors", True)
     assert process_settings(full, {}) is full
+    assert (full.prometheus, full.prometheus_port) == (True, None)  # export on by default, no port of its own
+
+
+def test_prometheus_settings_are_read_once_with_the_rest() -> None:
+    """``OEA_PROMETHEUS`` is a flag (malformed: start-up stops naming it); ``OEA_PROMETHEUS_PORT`` is kept as written,
+    since a bad or taken port is one warning where it is served and serving goes on."""
+    from oea.config.settings import all_settings_from_env
+
+    got = all_settings_from_env({"OEA_K0": "2", "OEA_PROMETHEUS": "off", "OEA_PROMETHEUS_PORT": " nine "})
+    assert (got.prometheus, got.prometheus_port) == (False, "nine")
+    assert all_settings_from_env({"OEA_K0": "2", "OEA_PROMETHEUS": "1"}).prometheus is True
+    with pytest.raises(ValueError, match=r"OEA_PROMETHEUS must be one of 0/1/true/false/yes/no/on/off, got 'maybe'"):
+        all_settings_from_env({"OEA_K0": "2", "OEA_PROMETHEUS": "maybe"})

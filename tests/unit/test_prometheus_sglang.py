@@ -143,6 +143,15 @@ def test_prometheus_sglang_without_enable_metrics_exports_nothing(start: Any, tm
     assert sglang_metrics.METRICS.writer.export is None  # type: ignore[union-attr]
 
 
+def test_prometheus_sglang_export_off_with_enable_metrics(start: Any, exported: Path, tmp_path: Path) -> None:
+    """``OEA_PROMETHEUS=0`` with ``--enable-metrics``: OEA rewrites and the file gets its line, no series."""
+    server = start(OEA_K0="2", OEA_PROMETHEUS="0")
+    _forward(server, FakeMode.DECODE, 3, 13)
+    assert [(r["decode"], r["oea"], r.get("reason")) for r in _flushed(tmp_path)] == [(True, True, None)]
+    assert sglang_metrics.METRICS.writer.export is None  # type: ignore[union-attr]
+    assert not list(exported.iterdir())
+
+
 def test_prometheus_sglang_reasons_are_the_shared_ones() -> None:
     import oea.integrations.sglang.router_state as router_state
 
@@ -155,6 +164,8 @@ def test_prometheus_sglang_reasons_are_the_shared_ones() -> None:
     ({}, True, "off (OEA_K0 unset"),
     ({"OEA_K0": "2"}, True, "once the server runs with --enable-metrics"),
     ({"OEA_K0": "2", "PROMETHEUS_MULTIPROC_DIR": "/tmp/p"}, True, "PROMETHEUS_MULTIPROC_DIR=/tmp/p"),
+    ({"OEA_K0": "2", "OEA_PROMETHEUS": "no", "PROMETHEUS_MULTIPROC_DIR": "/tmp/p"}, True,
+     "off (OEA_PROMETHEUS=no: no oea_* series)"),
 ])
 def test_prometheus_sglang_doctor_line(env: dict[str, str], ok: bool, says: str) -> None:
     got_ok, detail = sglang_prometheus.doctor_line(env)

@@ -19,6 +19,7 @@ import oea.integrations.vllm.plugin as plugin
 import oea.integrations.vllm.prometheus as vllm_prometheus
 import oea.integrations.vllm.routing as plugin_routing
 import oea.integrations.vllm.steps as plugin_steps
+from oea.config.settings import all_settings_from_env
 from oea.integrations.vllm.speculative import Speculation
 
 torch.set_num_threads(1)
@@ -121,13 +122,34 @@ def test_prometheus_vllm_oea_off_exports_no_series(monkeypatch: pytest.MonkeyPat
     assert not scrape(directory)
 
 
+def test_prometheus_vllm_export_off_keeps_oea_and_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``OEA_PROMETHEUS=0``: OEA rewrites and the metrics file gets its lines, but no series is written and the API
+    server adds no collector."""
+    from prometheus_client import REGISTRY
+
+    router, directory = _loaded(monkeypatch, tmp_path, {"OEA_K0": "2", "OEA_PROMETHEUS": "0"})
+    _step(router, scheduler_output([1, 1, 1]), 10)
+    plugin_routing.STATE.metrics.flush()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["decode"], r["oea"]) for r in rows] == [(True, True)]
+    assert plugin_routing.STATE.metrics.export is None
+    assert not list(directory.iterdir())
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv(vllm_prometheus.DIRECTORY_VARIABLE, raising=False)
+    before = set(REGISTRY._collector_to_names)
+    vllm_prometheus.prepare_api_server(plugin_routing.STATE.settings)
+    assert set(REGISTRY._collector_to_names) == before
+    assert vllm_prometheus.DIRECTORY_VARIABLE not in vllm_prometheus.os.environ
+
+
 def test_prometheus_vllm_api_server_collects_oea_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     from prometheus_client import REGISTRY
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.delenv(vllm_prometheus.DIRECTORY_VARIABLE, raising=False)
     before = set(REGISTRY._collector_to_names)
-    vllm_prometheus.prepare_api_server()
+    settings = all_settings_from_env({"OEA_K0": "2"})
+    vllm_prometheus.prepare_api_server(settings)
     added = set(REGISTRY._collector_to_names) - before
     try:
         directory = vllm_prometheus.os.environ[vllm_prometheus.DIRECTORY_VARIABLE]
@@ -136,7 +158,7 @@ def test_prometheus_vllm_api_server_collects_oea_directory(monkeypatch: pytest.M
             directory,
             "vLLM's /metrics (the API server reads OEA's directory)",
         )
-        vllm_prometheus.prepare_api_server()  # a second call (a child process) adds nothing
+        vllm_prometheus.prepare_api_server(settings)  # a second call (a child process) adds nothing
         assert set(REGISTRY._collector_to_names) - before == added
     finally:
         for collector in added:
@@ -155,6 +177,11 @@ def test_prometheus_vllm_doctor_says_which_endpoint_is_live() -> None:
     assert ok and "PROMETHEUS_MULTIPROC_DIR=/d" in detail
     ok, detail = vllm_prometheus.doctor_line({"OEA_K0": "3", "OEA_PROMETHEUS_PORT": "127.0.0.1:9400"})
     assert ok and "rank-0 worker on http://127.0.0.1:9400/metrics" in detail
+    assert vllm_prometheus.doctor_line({"OEA_K0": "3", "OEA_PROMETHEUS": " 0 "}) == (
+        True, "off (OEA_PROMETHEUS=0: no oea_* series)"
+    )
+    ok, detail = vllm_prometheus.doctor_line({"OEA_K0": "3", "OEA_PROMETHEUS": "maybe"})
+    assert not ok and "OEA_PROMETHEUS must be one of 0/1/true/false/yes/no/on/off, got 'maybe'" in detail
     ok, detail = vllm_prometheus.doctor_line({"OEA_K0": "3", "OEA_PROMETHEUS_PORT": "nine"})
     assert not ok and "OEA_PROMETHEUS_PORT must be PORT or HOST:PORT with PORT in 1..65535, got 'nine'" in detail
 
@@ -162,11 +189,10 @@ def test_prometheus_vllm_doctor_says_which_endpoint_is_live() -> None:
 def test_prometheus_vllm_bad_port_warns_once_and_serving_goes_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("OEA_PROMETHEUS_PORT", "99999")
     install_vllm(monkeypatch)
     router = CPURouter()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    fresh_state(monkeypatch, {"OEA_K0": "2"}, router)
+    fresh_state(monkeypatch, {"OEA_K0": "2", "OEA_PROMETHEUS_PORT": "99999"}, router)
     with caplog.at_level(logging.WARNING, logger="vllm.oea"):
         exporter = vllm_prometheus.start_worker_export(None)
     assert exporter is not None  # the series still reach vLLM's /metrics

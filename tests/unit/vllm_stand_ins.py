@@ -14,7 +14,7 @@ import torch
 
 import oea.integrations.vllm as plugin
 import oea.integrations.vllm.state as plugin_state
-from oea.config import settings_from_env
+from oea.config.settings import all_settings_from_env
 from oea.routing import RouterSpec, route
 
 BASE_ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.base_router"
@@ -71,7 +71,7 @@ def swap_state(monkeypatch: pytest.MonkeyPatch, state: plugin_state.State) -> pl
 def fresh_state(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], router: Any | None = None
                 ) -> plugin_state.State:
     """Plugin state as ``register()`` + ``Worker.load_model`` leave it, with ``router`` as router 0."""
-    state = plugin_state.State(settings=settings_from_env(env), mode="oea")
+    state = plugin_state.State(settings=all_settings_from_env(env), mode="oea")
     state.originals["CPURouter"] = lambda self, hidden_states, router_logits, indices_type, **_: \
         self.route_stock(router_logits)
     state.decode_flag = torch.zeros((), dtype=torch.bool)

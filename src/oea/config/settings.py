@@ -31,8 +31,9 @@ class EnvSettings:
     """What the environment asks for. ``oea`` is None when OEA is off.
 
     ``settings_from_env`` reads the routing settings; ``all_settings_from_env`` every ``OEA_*`` setting of an
-    engine process (``timing``, ``metrics_flush_s``, ``trace`` too: ``process`` True), once, for the plugins, their
-    recorders and their doctors; ``process_settings`` completes routing settings a caller read.
+    engine process (``timing``, ``metrics_flush_s``, ``trace``, ``prometheus``, ``prometheus_port`` too:
+    ``process`` True), once, for the plugins, their recorders and their doctors; ``process_settings`` completes
+    routing settings a caller read.
     """
 
     oea: OEAConfig | None
@@ -47,7 +48,11 @@ class EnvSettings:
     timing: bool = False  # OEA_TIMING (all_settings_from_env)
     metrics_flush_s: float = 0.5  # OEA_METRICS_FLUSH_S (all_settings_from_env)
     trace: TraceSettings | None = None  # OEA_TRACE_FILE and its options (all_settings_from_env; None: not recording)
-    process: bool = False  # timing, metrics_flush_s and trace were read from the environment (all_settings_from_env)
+    prometheus: bool = True  # OEA_PROMETHEUS (all_settings_from_env): export the oea_* series with OEA on
+    # OEA_PROMETHEUS_PORT as written (all_settings_from_env): parsed where it is served, since a bad or taken port is
+    # one warning and serving goes on, never a stopped start-up
+    prometheus_port: str | None = None
+    process: bool = False  # timing, metrics_flush_s, trace and prometheus* were read (all_settings_from_env)
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
@@ -78,7 +83,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
 
 def all_settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     """Every ``OEA_*`` setting of an engine process, read once: ``settings_from_env`` with ``OEA_TIMING``,
-    ``OEA_METRICS_FLUSH_S`` and ``OEA_TRACE_*``, in that order. Raises ``ValueError`` naming the first
+    ``OEA_METRICS_FLUSH_S``, ``OEA_TRACE_*`` and ``OEA_PROMETHEUS``, in that order (``OEA_PROMETHEUS_PORT`` as
+    written). Raises ``ValueError`` naming the first
     malformed variable."""
     env = os.environ if env is None else env
     return process_settings(settings_from_env(env), env)
@@ -86,13 +92,15 @@ def all_settings_from_env(env: Mapping[str, str] | None = None) -> EnvSettings:
 
 def process_settings(settings: EnvSettings, env: Mapping[str, str] | None = None) -> EnvSettings:
     """``settings`` with the rest of an engine process's settings (``OEA_TIMING``, ``OEA_METRICS_FLUSH_S``,
-    ``OEA_TRACE_*``) read from ``env``, unless they already hold them (``process``): what an adapter entered
-    with routing settings alone (``settings_from_env``) runs on, each variable read once."""
+    ``OEA_TRACE_*``, ``OEA_PROMETHEUS``, ``OEA_PROMETHEUS_PORT``) read from ``env``, unless they already hold them
+    (``process``): what an adapter entered with routing settings alone (``settings_from_env``) runs on, each
+    variable read once."""
     if settings.process:
         return settings
     env = os.environ if env is None else env
     return replace(settings, timing=timing_from_env(env), metrics_flush_s=metrics_flush_interval(env),
-                   trace=trace_settings_from_env(env), process=True)
+                   trace=trace_settings_from_env(env), prometheus=BY_NAME["OEA_PROMETHEUS"].value(env, True),
+                   prometheus_port=env.get("OEA_PROMETHEUS_PORT", "").strip() or None, process=True)
 
 
 def timing_from_env(env: Mapping[str, str] | None = None) -> bool:

@@ -150,6 +150,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("OEA_TIMING", flag, "time each routing call in the worker", "0", readers=ENGINES, shows=_on),
     Variable("OEA_METRICS_FLUSH_S", number(unit=" of seconds"), "seconds between metrics-file flushes", "0.5",
              readers=ENGINES, shows=lambda v: f"every {v:g} s"),
+    Variable("OEA_PROMETHEUS", flag, "export the oea_* Prometheus series with OEA on (vLLM: its /metrics; SGLang: "
+             "with --enable-metrics); 0: none", "1", readers=ENGINES, shows=_on),
     Variable("OEA_PROMETHEUS_PORT", port, "also serve the oea_* Prometheus series from the rank-0 worker here "
              "(PORT or HOST:PORT); a bad or taken port: one warning", readers=VLLM,
              shows=lambda v: f"http://{v[0]}:{v[1]}/metrics"),

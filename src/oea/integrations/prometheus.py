@@ -33,6 +33,7 @@ from oea.config.variables import BY_NAME
 from oea.integrations.metrics import PASSTHROUGH_REASONS, StepRecord
 
 PORT_VARIABLE = "OEA_PROMETHEUS_PORT"
+EXPORT_VARIABLE = "OEA_PROMETHEUS"  # 0: OEA on without its series
 _EXPORTERS = itertools.count()
 PHASES = ("decode", "verify", "prefill")
 # Per-forward routing time summed over the layers (OEA_TIMING), in seconds.
@@ -341,9 +342,16 @@ def make_exporter(
 
 def doctor_off_line(env: dict[str, str]) -> tuple[bool, str] | None:
     """The ``prometheus export`` doctor line every engine shares when no series can be exported in ``env`` (OEA
-    off, prometheus_client missing): (ok, detail); None when the engine's own line applies."""
+    off, ``OEA_PROMETHEUS`` 0 or malformed, prometheus_client missing): (ok, detail); None when the engine's own
+    line applies."""
     if not env.get("OEA_K0", env.get("SGLANG_OEA_K0", "")).strip():
         return True, "off (OEA_K0 unset: no oea_* series)"
+    try:
+        exported = BY_NAME[EXPORT_VARIABLE].value(env, True)
+    except ValueError as err:
+        return False, f"{err} (the server stops at start-up)"
+    if not exported:
+        return True, f"off ({EXPORT_VARIABLE}={env[EXPORT_VARIABLE].strip()}: no oea_* series)"
     try:
         import prometheus_client  # noqa: F401
     except ImportError:

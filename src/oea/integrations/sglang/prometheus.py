@@ -6,9 +6,10 @@ SGLang serves ``/metrics`` from its HTTP server with prometheus_client's ``Multi
 start. A directory the user set is read as it is (SGLang makes a temporary subfolder in it but the collector reads
 the variable's directory), so the scheduler's exporter writes into the variable's directory itself.
 
-Only with ``OEA_K0`` set and ``PROMETHEUS_MULTIPROC_DIR`` in the environment: a server with OEA off, or without
-``--enable-metrics``, exports no ``oea_*`` series. The exporter is made at a scheduler's first forward
-(``metrics.forward``), so the HTTP and detokenizer processes, which load the plugin too, write nothing.
+Only with ``OEA_K0`` set, ``OEA_PROMETHEUS`` not 0 and ``PROMETHEUS_MULTIPROC_DIR`` in the environment: a server
+with OEA off, with ``OEA_PROMETHEUS=0``, or without ``--enable-metrics``, exports no ``oea_*`` series. The exporter
+is made at a scheduler's first forward (``metrics.forward``), so the HTTP and detokenizer processes, which load the
+plugin too, write nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"  # set by SGLang with --enable-m
 
 
 def export_directory(settings: EnvSettings | None) -> str | None:
-    """The directory SGLang's ``/metrics`` aggregates, when the series are exported (None: export off)."""
-    if settings is None or settings.oea is None:
+    """The directory SGLang's ``/metrics`` aggregates, when the series are exported (None: export off: OEA off,
+    ``OEA_PROMETHEUS=0``, or no ``--enable-metrics``)."""
+    if settings is None or settings.oea is None or not settings.prometheus:
         return None
     return os.environ.get(DIRECTORY_VARIABLE) or None
 

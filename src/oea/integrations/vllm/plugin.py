@@ -80,7 +80,7 @@ def register() -> None:
     STATE.installed = True
     if mode == "oea":  # a substituted router class defined by now: said at start-up (model load checks the rest)
         startup_warning(router_bypasses, warn_once)
-        prepare_api_server()  # the oea_* series' way to vLLM's /metrics (prometheus.py)
+        prepare_api_server(settings)  # the oea_* series' way to vLLM's /metrics (prometheus.py)
     cfg = settings.oea
     what = f"k0={cfg.k0} min_batch={cfg.min_batch}" if cfg is not None else "stock routing"
     log.info("oea: mode=%s (%s) pid=%d process=%s; wrapped %s", mode, what, os.getpid(), _process_title(),

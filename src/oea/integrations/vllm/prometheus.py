@@ -13,7 +13,8 @@ the API server process. How they meet:
 A configuration where the API server is not the process that started the workers (``--headless`` engines, a
 front end on another machine) cannot carry them: ``OEA_PROMETHEUS_PORT`` then serves them from the rank-0
 worker (``serve_port``). ``oea doctor vllm``'s ``prometheus export`` line says which of the two is live.
-Only with ``OEA_K0`` set: a server with OEA off exports no ``oea_*`` series.
+Only with ``OEA_K0`` set and ``OEA_PROMETHEUS`` not 0: a server with OEA off or ``OEA_PROMETHEUS=0`` exports no
+``oea_*`` series.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 import uuid
 from typing import Any
 
+from oea.config import EnvSettings
 from oea.integrations.prometheus import PORT_VARIABLE, Exporter, doctor_off_line, make_exporter, parse_port, serve_port
 from oea.integrations.runtime import process_rank
 from oea.integrations.vllm.state import STATE, log
@@ -34,9 +36,12 @@ DIRECTORY_VARIABLE = "PROMETHEUS_OEA_MULTIPROC_DIR"  # not OEA_*: set by the plu
 VLLM_DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def prepare_api_server() -> None:
-    """At ``register`` with OEA on: in the first process of a server without ``PROMETHEUS_MULTIPROC_DIR``, the
-    directory the workers write into and its collector on the default registry (vLLM's ``/metrics``)."""
+def prepare_api_server(settings: EnvSettings) -> None:
+    """At ``register`` with OEA on and ``OEA_PROMETHEUS`` not 0: in the first process of a server without
+    ``PROMETHEUS_MULTIPROC_DIR``, the directory the workers write into and its collector on the default registry
+    (vLLM's ``/metrics``)."""
+    if not settings.prometheus:
+        return
     if os.environ.get(VLLM_DIRECTORY_VARIABLE) or os.environ.get(DIRECTORY_VARIABLE):
         return  # vLLM aggregates its own directory, or a parent process prepared OEA's
     if "prometheus_client" not in sys.modules:
@@ -74,7 +79,8 @@ def export_directory() -> tuple[str, str]:
 def start_worker_export(model_config: Any) -> Exporter | None:
     """At model load with OEA on: the worker's ``Exporter`` (labels: ``engine="vllm"``, the served model name,
     the rank), ``oea_enabled`` set, and the ``OEA_PROMETHEUS_PORT`` endpoint from the rank-0 worker."""
-    if STATE.mode != "oea" or STATE.settings is None or STATE.settings.oea is None:
+    settings = STATE.settings
+    if STATE.mode != "oea" or settings is None or settings.oea is None or not settings.prometheus:
         return None
     directory, where = export_directory()
     names = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
@@ -83,10 +89,9 @@ def start_worker_export(model_config: Any) -> Exporter | None:
     if exporter is None:
         return None
     rank = process_rank()
-    cfg = STATE.settings.oea
-    exporter.set_enabled(rank, cfg.k0, cfg.min_batch)
+    exporter.set_enabled(rank, settings.oea.k0, settings.oea.min_batch)
     exporter.set_layers(rank, [i for i, spec in enumerate(STATE.specs) if spec is not None])
-    raw = os.environ.get(PORT_VARIABLE, "").strip()
+    raw = settings.prometheus_port
     if raw and rank == 0:
         served = serve_port(directory, raw, log)
         if served is not None:
