@@ -291,7 +291,9 @@ def _replay(name: str, trace: Any, decode: Mapping[int, Mapping[str, Any]], k0: 
     except ValueError as err:
         return Check(check_name, False, str(err)[:300])
     want = {"vanilla": _mean(steps, "active_stock" if k0 is not None else "active"), "oea": _mean(steps, "active")}
-    gaps = {r["policy"]: r["mean_active_experts"] / want[r["policy"]] - 1 for r in rows}
+    # metrics of no active expert (a malformed file) are a gap, not a ZeroDivisionError that stops the soak
+    gaps = {r["policy"]: r["mean_active_experts"] / want[r["policy"]] - 1 if want[r["policy"]] else math.inf
+            for r in rows}
     held = bool(steps) and all(abs(g) <= REPLAY_TOLERANCE for g in gaps.values())
     detail = f"B = {widest} ({len(steps)} steps): " + ", ".join(
         f"{p} T {r['mean_active_experts']:.2f} vs the engine's {want[p]:.2f} ({gaps[p]:+.2%})"
