@@ -267,10 +267,10 @@ def _steps_of_width(trace: Any, width: int) -> Any:
 
 
 def _replay(name: str, trace: Any, decode: Mapping[int, Mapping[str, Any]], k0: int | None) -> Check:
-    """``oea simulate --mode lockstep`` at the widest step size recorded at least twice, against the metrics of
-    those steps. A lockstep batch of a step's whole width is that step, and an interval needs two batches: a width
-    the engine batched once (how many requests met in one step depends on the machine's timing) cannot be
-    replayed, so the check steps down to the widest width it can."""
+    """``oea simulate --mode lockstep`` at the widest step size recorded at least twice, each of those steps
+    replayed once, against their metrics. A lockstep batch of a step's whole width is that step, and an interval
+    needs two batches: a width the engine batched once (how many requests met in one step depends on the machine's
+    timing) cannot be replayed, so the check steps down to the widest width it can."""
     from oea.sim.simulate import simulate
 
     check_name = f"{name}: oea simulate --mode lockstep replays the trace"
@@ -287,7 +287,7 @@ def _replay(name: str, trace: Any, decode: Mapping[int, Mapping[str, Any]], k0: 
     policies = ("vanilla", "oea") if k0 is not None else ("vanilla",)
     try:
         rows = simulate(_steps_of_width(trace, widest), policies=policies, k0s=(k0 or 1,), batch_sizes=(widest,),
-                        mode="lockstep", num_batches=max(200, 20 * len(steps)))
+                        mode="lockstep", num_batches=steps_of_width[widest])  # each step of the width once
     except ValueError as err:
         return Check(check_name, False, str(err)[:300])
     want = {"vanilla": _mean(steps, "active_stock" if k0 is not None else "active"), "oea": _mean(steps, "active")}
