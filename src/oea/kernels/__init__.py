@@ -4,7 +4,8 @@
 signature and results and runs the fastest implementation that reproduces them (``dispatch.py``):
 
 * ``numba_cpu.py``: one compiled CPU call (numba, imported on first use); the kernels in ``numba_kernels.py``,
-  compiled once and then loaded from numba's on-disk cache by every later process;
+  compiled once and then loaded from numba's on-disk cache by every later process (``route_at``: their entry
+  over tensors by address, ``NumbaRouter.route_new``, the SGLang adapter's eager CPU call);
 * ``triton_gpu.py``: two Triton launches on CUDA (Triton's interpreter runs them on CPU for the tests), the
   kernels themselves in ``triton_source.py``;
 * ``oea.route`` itself for anything a kernel cannot reproduce exactly (``params.py`` says what is covered);

@@ -92,6 +92,39 @@ class NumbaRouter:
                                weights_np)
         return ids, weights
 
+    def route_new(self, router_logits: torch.Tensor, valid: torch.Tensor | None = None,
+                  ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``self(router_logits, valid)`` into new tensors: (ids [M, k] of ``ids_dtype``, int64 or int32; weights
+        [M, k] float32; whether some row of ids holds an id twice). The same ids and weights as a call; the kernel
+        reads and writes the tensors by address (``numba_kernels.route_at``), so no numpy view of them is made."""
+        if ids_dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"route_new writes int32 or int64 ids, not {ids_dtype}")
+        rows, k = router_logits.shape[0], self.params.top_k
+        ids = torch.empty((rows, k), dtype=ids_dtype)
+        weights = torch.empty((rows, k), dtype=torch.float32)
+        if rows == 0:  # nothing to route (an empty tensor may have no address)
+            return ids, weights, False
+        route_at = _NUMBA.get("route_at")
+        if route_at is None:
+            from oea.kernels.numba_kernels import route_at
+
+            _NUMBA["route_at"] = route_at
+        if valid is None:
+            ok = self._all_valid.get(rows)
+            if ok is None:
+                ok = self._all_valid[rows] = torch.ones(rows, dtype=torch.bool).numpy()
+        else:
+            ok = valid.contiguous().numpy()
+        x = router_logits if router_logits.is_contiguous() else router_logits.contiguous()
+        if self.params.sigmoid:  # torch's own float32 sigmoid: the scores the core ranks, to the bit
+            x = torch.sigmoid(x.float())
+        bf16 = x.dtype == torch.bfloat16
+        if not bf16 and x.dtype != torch.float32:
+            x = x.float()
+        repeats = route_at(x.data_ptr(), bf16, rows, x.shape[1], self._bias, ok, self._packed, self.params.scaling,
+                           ids.data_ptr(), ids_dtype == torch.int64, weights.data_ptr())
+        return ids, weights, repeats
+
     def _views(self, ids: torch.Tensor, weights: torch.Tensor, reused: bool) -> tuple[Any, Any]:
         """numpy views of the outputs; a caller's reused buffers keep theirs (the entry holds the tensors, so
         an id is never reused while its view is cached)."""

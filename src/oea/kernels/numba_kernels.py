@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 import numba
+import numba.core.cgutils
+import numba.extending
 import numpy as np
 
 f32 = np.float32
@@ -201,3 +203,48 @@ def route_bf16(bits: Any, bias: Any, valid: Any, p: Any, scaling: float, out_ids
         for e in range(bits.shape[1]):
             as_int[m, e] = (np.int32(bits[m, e]) & 0xFFFF) << 16
     route_scores(x, bias, valid, p, scaling, out_ids, out_w)
+
+
+@numba.extending.intrinsic
+def _at(typingctx: Any, address: Any) -> Any:
+    """An integer address (``torch.Tensor.data_ptr()``) as the void pointer ``numba.carray`` views."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], numba.core.cgutils.voidptr_t)
+
+    return numba.types.voidptr(address), codegen
+
+
+@jit
+def any_row_repeats(ids: Any) -> bool:
+    """Whether some row of ids [M, k] holds an id twice."""
+    for m in range(ids.shape[0]):
+        for j in range(1, ids.shape[1]):
+            for i in range(j):
+                if ids[m, i] == ids[m, j]:
+                    return True
+    return False
+
+
+@jit
+def route_at(x_at: int, bf16: bool, rows: int, n: int, bias: Any, valid: Any, p: Any, scaling: float, ids_at: int,
+             ids64: bool, w_at: int) -> bool:
+    """``route_bf16`` (``bf16``: the logits' bits as int16) or ``route_scores`` (float32 scores) over C-contiguous
+    CPU tensors given by address (``NumbaRouter.route_new``: no numpy view of them made per call): [rows, n] in;
+    [rows, k] ids (int64 when ``ids64``, else int32) and float32 weights out. Returns whether some row of the ids
+    written holds an id twice (``any_row_repeats``: what the SGLang adapter's fillers rename)."""
+    k = p[0]
+    w = numba.carray(_at(w_at), (rows, k), np.float32)
+    if ids64:
+        ids = numba.carray(_at(ids_at), (rows, k), np.int64)
+        if bf16:
+            route_bf16(numba.carray(_at(x_at), (rows, n), np.int16), bias, valid, p, scaling, ids, w)
+        else:
+            route_scores(numba.carray(_at(x_at), (rows, n), np.float32), bias, valid, p, scaling, ids, w)
+        return any_row_repeats(ids)
+    ids32 = numba.carray(_at(ids_at), (rows, k), np.int32)
+    if bf16:
+        route_bf16(numba.carray(_at(x_at), (rows, n), np.int16), bias, valid, p, scaling, ids32, w)
+    else:
+        route_scores(numba.carray(_at(x_at), (rows, n), np.float32), bias, valid, p, scaling, ids32, w)
+    return any_row_repeats(ids32)

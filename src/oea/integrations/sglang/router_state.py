@@ -105,6 +105,7 @@ class RouterCall:
     non_padded: torch.Tensor | int | None = None  # 3. rows >= this count are padding (None: every row real)
     eager_cpu: bool = False  # 4. CPU logits outside tracing: the prepared kernel and the host fillers run
     rerouted: bool = False  # 4-5. OEA's routing was spliced into SGLang's output
+    repeats: bool | None = None  # 4-5. some row of OEA's ids holds an id twice (None: not known, fillers.py checks)
     why: str | None = None  # 2-4. why SGLang's routing was kept (K0_COVERS_TOP_K, BELOW_MIN_BATCH)
 
 

@@ -7,8 +7,10 @@ their renaming for SGLang's native MoE: ``fillers.capture_replay_ids``). In DECO
 columns by ``rewrite_topk``'s; padding rows (``num_token_non_padded``, or OEA's own count of real rows where
 SGLang keeps none: ``padding.bound``) keep SGLang's output and do not join the union. ``select_experts_before``
 only notes per-token dynamic expert bias (Bailing/Ling), which the rewrite cannot rebuild and therefore passes
-through. Unsupported routings pass through unchanged with one warning per reason; nothing here raises inside
-a forward pass.
+through. An eager CPU call runs the layer's prepared kernel into new tensors (``NumbaRouter.route_new``); where
+every row is real and SGLang's output has OEA's shape and dtypes it skips the splice (which would return the
+kernel's tensors) and runs the host fillers only when the kernel found a row holding an id twice. Unsupported
+routings pass through unchanged with one warning per reason; nothing here raises inside a forward pass.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def rewrite_topk(
     cfg: OEAConfig,
     num_token_non_padded: torch.Tensor | int | None = None,
     kernel: NumbaRouter | None = None,
+    call: RouterCall | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """OEA over SGLang's top-k output of one layer call.
 
@@ -75,6 +78,9 @@ def rewrite_topk(
             returned as SGLang produced them. ``None``: every row is real.
         kernel: the layer's numba kernel prepared for ``spec`` and ``cfg``, given only for CPU logits outside
             tracing; without it ``route_fast`` (numba on CPU, Triton on CUDA), or ``oea.route`` while Dynamo traces.
+        call: the routing call's facts; with ``kernel``, every row real and SGLang's output exactly OEA's shape and
+            dtypes (the splice would return OEA's tensors themselves), ``call.repeats`` says whether some row of
+            the returned ids holds an id twice (left None otherwise).
 
     Returns:
         ``(ids, weights)`` in the dtypes and shapes of ``topk_ids`` / ``topk_weights``, or
@@ -93,9 +99,15 @@ def rewrite_topk(
         valid = torch.arange(m, device=router_logits.device) < num_token_non_padded
     elif m < cfg.min_batch:
         return None
-    if kernel is not None:  # writes SGLang's int32 / int64 ids itself: no conversion in the splice
-        out = torch.empty((m, k), dtype=topk_ids.dtype) if topk_ids.dtype in (torch.int32, torch.int64) else None
-        ids, weights = kernel(router_logits, valid, out)
+    if kernel is not None and topk_ids.dtype in (torch.int32, torch.int64):  # SGLang's id dtype, written by the kernel
+        ids, weights, repeats = kernel.route_new(router_logits, valid, topk_ids.dtype)
+        if valid is None and topk_ids.shape[1] == k and topk_weights.shape[1] == k and \
+                topk_weights.dtype == torch.float32:  # the splice would return these very tensors
+            if call is not None:
+                call.repeats = repeats
+            return ids, weights
+    elif kernel is not None:
+        ids, weights = kernel(router_logits, valid)
     elif torch.compiler.is_compiling():
         ids, weights = route(router_logits, spec, cfg, valid)
     else:
@@ -219,7 +231,7 @@ def _route(call: RouterCall, kwargs: dict[str, Any], router_logits: torch.Tensor
         return None
     kernel = state.prepared_kernel(router_logits, cfg) if eager_cpu else None
     result = rewrite_topk(kwargs["topk_ids"], kwargs["topk_weights"], router_logits, spec, cfg, call.non_padded,
-                          kernel=kernel)
+                          kernel=kernel, call=call)
     if result is None:
         call.why = BELOW_MIN_BATCH
         return None
@@ -228,7 +240,9 @@ def _route(call: RouterCall, kwargs: dict[str, Any], router_logits: torch.Tensor
     # still returns OEA's ids, whose fillers repeat the row's own expert
     if state.earlier is None:
         state.earlier = earlier_mask(spec.top_k, router_logits.device)
-    if eager_cpu:
+    if call.repeats is False:  # the kernel found no row holding an id twice: nothing to rename
+        ids, weights = result
+    elif eager_cpu:
         ids, weights = distinct_fillers_on_host(result[0], result[1], spec.top_k, spec.num_experts,
                                                 state.earlier_on_host())
     else:
