@@ -205,14 +205,11 @@ def _holds(mode: Any, name: str) -> bool:
 def _tokens_per_request(forward_batch: Any, mode: Any) -> list[int] | None:
     """The tokens each request runs in this forward, in the batch's order (None when the batch does not say):
     1 in DECODE, its draft tokens in TARGET_VERIFY, its prompt chunk in EXTEND."""
-    try:
-        size = int(getattr(forward_batch, "batch_size", 0) or 0)
+    try:  # a field the batch lacks or leaves None raises: not said (a batch without its size is not 0 requests)
         if _holds(mode, "is_decode"):
-            return [1] * size
+            return [1] * int(forward_batch.batch_size)
         if _holds(mode, "is_target_verify"):
-            drafts = getattr(getattr(forward_batch, "spec_info", None), "draft_token_num", None)
-            return None if drafts is None else [int(drafts)] * size
-        lengths = getattr(forward_batch, "extend_seq_lens_cpu", None)
-        return None if lengths is None else [int(n) for n in lengths]
-    except Exception:  # a batch shaped unlike SGLang's: the row just lacks the field
+            return [int(forward_batch.spec_info.draft_token_num)] * int(forward_batch.batch_size)
+        return [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    except Exception:  # not said, or a batch shaped unlike SGLang's: the row just lacks the field
         return None
