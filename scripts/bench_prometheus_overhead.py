@@ -18,6 +18,7 @@ Servers bind 127.0.0.1, each in its own process group, stopped (group SIGTERM, t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +41,9 @@ def _server_args(engine: str, model: str, port: int) -> list[str]:
     if engine == "vllm":
         return ["--model", model, "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "512",
                 "--max-num-seqs", "16", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
-    return ["--model-path", model, "--served-model-name", "m", "--dtype", "bfloat16", "--context-length", "512",
+    # SGLang's CPU engine as docs/eval.md runs it; --enable-metrics in both arms (SGLang's own series the same)
+    return ["--model-path", model, "--served-model-name", "m", "--device", "cpu", "--tp", "1", "--attention-backend",
+            "torch_native", "--disable-overlap-schedule", "--dtype", "bfloat16", "--max-total-tokens", "4096",
             "--max-running-requests", "16", "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port),
             "--enable-metrics"]
 
@@ -53,12 +56,34 @@ def _start(engine: str, python: str, model: str, port: int, env: dict[str, str],
         return start_server(args, env, python=python, log_path=log)
     from oea.launch.sglang_server import start_server as start_sglang
 
-    return start_sglang(args, env, python=python, log_path=log)
+    # the sgl_kernel stand-in (test support of this checkout) replaces SGLang's CPU kernels, which its CPU wheel
+    # lacks here (docs/sglang.md "sgl_kernel stand-in"), as in every CPU SGLang server of the tests
+    return start_sglang(args, env, python=python, log_path=log, stand_in=True)
 
 
 # (field of a round, what it is): the engine's own step period first, the figure the export could slow
-FIGURES = (("engine_step_ms_median", "engine decode-step period, ms"), ("median_tpot_ms", "client TPOT, ms"),
+FIGURES = (("full_step_ms", "engine decode-step period at full batches (rows = concurrency), ms"),
+           ("engine_step_ms_median", "engine decode-step period, all decode steps, ms"),
+           ("median_tpot_ms", "client TPOT, ms"),
            ("output_throughput", "output tok/s"), ("engine_mean_decode_rows", "rows per decode step"))
+
+
+def full_step_ms(metrics_rows: list[dict], start: float, end: float, width: int) -> float:
+    """Median gap (ms) between consecutive decode steps of one process that both hold ``width`` rows, inside
+    [start, end]: the step period at a fixed batch, which the front end's varying fill cannot move (nan: none)."""
+    rows = {(r.get("pid"), r["step"]): r for r in metrics_rows
+            if start <= r["time"] <= end + 1.0 and r["decode"] and r["rows"] == width and "step" in r}
+    gaps = [(r["time"] - rows[(pid, step - 1)]["time"]) * 1e3 for (pid, step), r in rows.items()
+            if (pid, step - 1) in rows]
+    return float(np.median(gaps)) if gaps else float("nan")
+
+
+def add_full_steps(rows: list[dict], metrics: dict[str, Path], width: int) -> None:
+    """Each round's ``full_step_ms`` (decode steps of ``width`` rows) from its arm's metrics file."""
+    loaded = {arm: load_rows(str(path)) for arm, path in metrics.items() if path.exists()}  # kept rows: none
+    for row in rows:
+        if row["arm"] in loaded:
+            row["full_step_ms"] = full_step_ms(loaded[row["arm"]], row["start_time"], row["end_time"], width)
 
 
 def paired_ratios(rows: list[dict]) -> list[str]:
@@ -71,8 +96,9 @@ def paired_ratios(rows: list[dict]) -> list[str]:
     lines = [f"{len(pairs)} rounds with both arms"]
     rng = np.random.default_rng(0)
     for key, label in FIGURES:
-        on = [p["export"][key] for p in pairs if key in p["export"] and key in p["no_export"]]
-        off = [p["no_export"][key] for p in pairs if key in p["export"] and key in p["no_export"]]
+        both = [p for p in pairs if np.isfinite(p["export"].get(key, np.nan))
+                and np.isfinite(p["no_export"].get(key, np.nan))]
+        on, off = [p["export"][key] for p in both], [p["no_export"][key] for p in both]
         if len(on) < 2:
             lines.append(f"{label}: fewer than 2 paired rounds, no interval")
             continue
@@ -121,9 +147,17 @@ def main() -> int:
     parser.add_argument("--output-file", type=Path, default=None,
                         help="the rounds (default: WORK_DIR/rounds-<engine>.jsonl, replaced)")
     parser.add_argument("--health-timeout", type=float, default=900.0)
+    parser.add_argument("--summarize", action="store_true",
+                        help="run nothing: the figures of an earlier run in WORK_DIR (its rounds and metrics files)")
     args = parser.parse_args()
     model = args.model or str(embedded_model_dir())
     work = args.work_dir.resolve()
+    if args.summarize:
+        output = (args.output_file or work / f"rounds-{args.engine}.jsonl").resolve()
+        rows = load_rows(str(output))  # the run's rounds, or rounds kept with their full_step_ms (docs/)
+        add_full_steps(rows, {arm: work / f"metrics-{args.engine}-{arm}.jsonl" for arm in ARMS}, args.concurrency)
+        print("\n".join(paired_ratios(rows)))
+        return 0
     work.mkdir(parents=True, exist_ok=True)
     output = (args.output_file or work / f"rounds-{args.engine}.jsonl").resolve()
     output.unlink(missing_ok=True)
@@ -155,7 +189,11 @@ def main() -> int:
         code = subprocess.run(cmd, check=False).returncode
         print(f"bench serve: exit {code}, {time.time() - started:.0f} s; rounds in {output}")
         if output.exists():
-            print("\n".join(paired_ratios(load_rows(str(output)))))
+            rows = load_rows(str(output))
+            add_full_steps(rows, metrics, args.concurrency)
+            kept = output.with_name(f"{output.stem}-full-steps.jsonl")  # the rounds with full_step_ms, to keep
+            kept.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            print("\n".join(paired_ratios(rows)) + f"\nrounds with full_step_ms: {kept}")
         scraper.stop.set()
         scraper.join(timeout=30)
         print(f"scrapes: {scraper.scrapes}; oea_* sample lines at the last scrape: {scraper.oea_lines}; "
