@@ -25,6 +25,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -179,16 +180,21 @@ def test_the_trace_replays_the_plugins_vanilla_count_step_by_step(runs: dict[str
 
 def test_simulate_lockstep_gives_the_plugins_vanilla_T_for_full_steps(runs: dict[str, dict], tmp_path: Path) -> None:
     run = runs["observe"]
-    full = [r for r in _decode_steps(run["metrics"]).values() if r["rows"] == 16]
+    # the widest step the server ran at least 10 times (16 on a quiet machine; the client's threads decide how many
+    # requests share a step, so a loaded machine may never fill all 16)
+    widths = Counter(r["rows"] for r in _decode_steps(run["metrics"]).values())
+    width = max(w for w, n in widths.items() if n >= 10)
+    full = [r for r in _decode_steps(run["metrics"]).values() if r["rows"] == width]
     plugin_t = sum(sum(r["active"]) for r in full) / (4 * len(full))
     proc = subprocess.run([sys.executable, "-m", "oea", "simulate", "--trace", run["trace_path"], "--mode", "lockstep",
-                           "--policies", "vanilla", "--batch-sizes", "16", "--num-batches", "600", "--json"],
+                           "--policies", "vanilla", "--batch-sizes", str(width), "--num-batches", "600", "--json"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout)[0]
     simulated = row["mean_active_experts"]
-    print(f"\noea simulate --mode lockstep B=16: vanilla T {simulated:.3f} {row['mean_active_experts_ci']}; "
-          f"plugin over its {len(full)} 16-row decode steps {plugin_t:.3f} ({(simulated / plugin_t - 1) * 100:+.2f}%)",
+    print(f"\noea simulate --mode lockstep B={width}: vanilla T {simulated:.3f} {row['mean_active_experts_ci']}; "
+          f"plugin over its {len(full)} {width}-row decode steps {plugin_t:.3f} "
+          f"({(simulated / plugin_t - 1) * 100:+.2f}%)",
           file=sys.stderr)
     assert abs(simulated / plugin_t - 1) <= 0.01
 
@@ -256,4 +262,6 @@ def test_an_unwritable_trace_file_warns_at_start_up_and_the_server_serves(runs: 
                for w in warnings)
     assert not path.parent.exists() and "oea: recording" not in run["log"]
     assert run["completed"] == [TOKENS] * len(PROMPTS), "every request completed"
-    assert max(r["rows"] for r in _decode_steps(run["metrics"]).values()) == 16, "the plugin counted batched decode"
+    # batched decode counted without the recorder; how many of the 16 requests share a step depends on when the
+    # client's threads get them to the server (on two busy cores one round ran at most 11 together), not on OEA
+    assert max(r["rows"] for r in _decode_steps(run["metrics"]).values()) > 1, "the plugin counted batched decode"
