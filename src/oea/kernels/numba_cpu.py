@@ -75,15 +75,7 @@ class NumbaRouter:
         ids = torch.empty((rows, k), dtype=torch.int64) if ids_out is None else ids_out
         weights = torch.empty((rows, k), dtype=torch.float32) if weights_out is None else weights_out
         ids_np, weights_np = self._views(ids, weights, ids_out is not None and weights_out is not None)
-        if valid is None:
-            ok = self._all_valid.get(rows)
-            if ok is None:
-                ok = self._all_valid[rows] = torch.ones(rows, dtype=torch.bool).numpy()
-        else:
-            ok = valid.contiguous().numpy()
-        x = router_logits if router_logits.is_contiguous() else router_logits.contiguous()
-        if self.params.sigmoid:  # torch's own float32 sigmoid: the scores the core ranks, to the bit
-            x = torch.sigmoid(x.float())
+        x, ok = self._inputs(router_logits, valid)
         if x.dtype == torch.bfloat16:
             self._route_bf16(x.view(torch.int16).numpy(), self._bias, ok, self._packed, self.params.scaling,
                              ids_np, weights_np)
@@ -109,6 +101,18 @@ class NumbaRouter:
             from oea.kernels.numba_kernels import route_at
 
             _NUMBA["route_at"] = route_at
+        x, ok = self._inputs(router_logits, valid)
+        bf16 = x.dtype == torch.bfloat16
+        if not bf16 and x.dtype != torch.float32:
+            x = x.float()
+        repeats = route_at(x.data_ptr(), bf16, rows, x.shape[1], self._bias, ok, self._packed, self.params.scaling,
+                           ids.data_ptr(), ids_dtype == torch.int64, weights.data_ptr())
+        return ids, weights, repeats
+
+    def _inputs(self, router_logits: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """(contiguous logits, or their float32 sigmoid for a sigmoid router; the [M] bool numpy mask of real
+        rows, one cached all-true mask per M when ``valid`` is None)."""
+        rows = router_logits.shape[0]
         if valid is None:
             ok = self._all_valid.get(rows)
             if ok is None:
@@ -118,12 +122,7 @@ class NumbaRouter:
         x = router_logits if router_logits.is_contiguous() else router_logits.contiguous()
         if self.params.sigmoid:  # torch's own float32 sigmoid: the scores the core ranks, to the bit
             x = torch.sigmoid(x.float())
-        bf16 = x.dtype == torch.bfloat16
-        if not bf16 and x.dtype != torch.float32:
-            x = x.float()
-        repeats = route_at(x.data_ptr(), bf16, rows, x.shape[1], self._bias, ok, self._packed, self.params.scaling,
-                           ids.data_ptr(), ids_dtype == torch.int64, weights.data_ptr())
-        return ids, weights, repeats
+        return x, ok
 
     def _views(self, ids: torch.Tensor, weights: torch.Tensor, reused: bool) -> tuple[Any, Any]:
         """numpy views of the outputs; a caller's reused buffers keep theirs (the entry holds the tensors, so

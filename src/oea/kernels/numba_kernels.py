@@ -237,14 +237,17 @@ def route_at(x_at: int, bf16: bool, rows: int, n: int, bias: Any, valid: Any, p:
     w = numba.carray(_at(w_at), (rows, k), np.float32)
     if ids64:
         ids = numba.carray(_at(ids_at), (rows, k), np.int64)
-        if bf16:
-            route_bf16(numba.carray(_at(x_at), (rows, n), np.int16), bias, valid, p, scaling, ids, w)
-        else:
-            route_scores(numba.carray(_at(x_at), (rows, n), np.float32), bias, valid, p, scaling, ids, w)
-        return any_row_repeats(ids)
+        return _route_into(x_at, bf16, rows, n, bias, valid, p, scaling, ids, w)
     ids32 = numba.carray(_at(ids_at), (rows, k), np.int32)
+    return _route_into(x_at, bf16, rows, n, bias, valid, p, scaling, ids32, w)
+
+
+@jit
+def _route_into(x_at: int, bf16: bool, rows: int, n: int, bias: Any, valid: Any, p: Any, scaling: float, ids: Any,
+                w: Any) -> bool:
+    """``route_at``'s routing into ``ids`` (int64 or int32: one compiled version each) and ``w``."""
     if bf16:
-        route_bf16(numba.carray(_at(x_at), (rows, n), np.int16), bias, valid, p, scaling, ids32, w)
+        route_bf16(numba.carray(_at(x_at), (rows, n), np.int16), bias, valid, p, scaling, ids, w)
     else:
-        route_scores(numba.carray(_at(x_at), (rows, n), np.float32), bias, valid, p, scaling, ids32, w)
-    return any_row_repeats(ids32)
+        route_scores(numba.carray(_at(x_at), (rows, n), np.float32), bias, valid, p, scaling, ids, w)
+    return any_row_repeats(ids)
