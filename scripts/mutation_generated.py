@@ -35,7 +35,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / ".cache" / "mutation-generated"
+# One scratch folder per run: two runs at once (two people, two changes) each set their own MUTATION_WORK.
+WORK = Path(os.environ.get("MUTATION_WORK") or ROOT / ".cache" / "mutation-generated").resolve()
 TREE = WORK / "tree"
 DOCS = ROOT / "docs" / "testing.md"
 EQUIVALENT_HEADING = "#### Equivalent generated mutants"

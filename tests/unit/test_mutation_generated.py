@@ -33,3 +33,13 @@ def test_every_survivor_named_equivalent_is_read_from_the_docs(generated) -> Non
     names = generated.equivalent_mutants()
     assert "oea.bench.serve.engines.x_detect_engine__mutmut_4" in names
     assert all(n.startswith("oea.") and "__mutmut_" in n for n in names)
+
+
+def test_mutation_work_chooses_the_scratch_folder_so_two_runs_never_share_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MUTATION_WORK", raising=False)
+    default = load_script("mutation_generated")
+    assert default.WORK == default.ROOT / ".cache" / "mutation-generated"
+    monkeypatch.setenv("MUTATION_WORK", str(tmp_path / "b"))
+    other = load_script("mutation_generated")
+    work = tmp_path / "b"
+    assert (work, work / "tree") == (other.WORK, other.TREE)
