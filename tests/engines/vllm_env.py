@@ -31,6 +31,13 @@ CODE_PROMPTS = (
     "return [x for x in items if ",
 )
 
+# vLLM's worker inside its engine core process (``--distributed-executor-backend uni``) instead of a process of its
+# own: about 20 s of CPU less per server start (one torch and vLLM import fewer), the same model runner, layers and
+# plugin hooks. For the servers whose test is not about vLLM's process layout; test_vllm_server.py (the plugin in
+# the worker process), test_vllm_soak.py (every process of the group soaked) and test_vllm_parallel.py (two
+# workers) keep the default layout.
+ONE_PROCESS_WORKER = ("--distributed-executor-backend", "uni")
+
 
 def server_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment of one test server: ours without any OEA_*/VLLM_PLUGINS setting of the caller, a 1 GiB
