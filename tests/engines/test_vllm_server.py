@@ -28,7 +28,16 @@ from engine_venvs import engine_python
 from eval_serve_live import run_eval_serve, run_lm_eval_task
 from prometheus_live import scrape, watching
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
+from vllm_env import (
+    CODE_PROMPTS,
+    ONE_PROCESS_WORKER,
+    VLLM_PYTHON,
+    complete,
+    read_jsonl,
+    server_args,
+    server_env,
+    text_and_tokens,
+)
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # test support, outside the oea package
 
@@ -89,7 +98,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "eager": {"OEA_K0": str(K0), "OEA_METRICS_FILE": str(workdir / "eager.jsonl")},
         "bad_k0": {"OEA_K0": "9"},
     }
-    extra_args = {"eager": ["--enforce-eager"], "bad_k0": ["--enforce-eager"]}
+    # the worker in the engine core where the arm is not about vLLM's process layout (observe and oea are: their
+    # metrics must come from the worker process); top_k keeps the default layout as oea eval serve's identity arm
+    extra_args = {"plain": [*ONE_PROCESS_WORKER], "eager": ["--enforce-eager", *ONE_PROCESS_WORKER],
+                  "bad_k0": ["--enforce-eager", *ONE_PROCESS_WORKER]}
     results: dict[str, dict] = {}
     started = time.monotonic()
 
