@@ -33,11 +33,13 @@ from test_sglang_metrics_rows import Server
 
 import oea
 import oea.integrations.recording.common as recording_common
+import oea.integrations.sglang.padding as padding
 import oea.integrations.sglang.recording as sglang_recording
 import oea.integrations.sglang.targets as sglang_targets
-from oea.config import TraceSettings
+from oea.config import TraceSettings, settings_from_env
 from oea.integrations import sglang as plugin
 from oea.integrations.sglang.router_state import RouterState
+from oea.integrations.sglang.state import STATE
 from oea.routing import LayerConfigs, RouterSpec
 from oea.traces import load_trace
 
@@ -418,3 +420,299 @@ def test_verify_forwards_are_not_recorded_unless_asked(fresh_trace: None, tmp_pa
     for layer in (0, 1):
         assert torch.equal(trace.logits[:, layer], torch.cat([step[layer] for step in recorded]))
     assert "OEA was off (observe mode) while recording" in trace.meta["notes"][1]
+
+
+# == padding.py ===================================================================================================
+# The real rows of graph-replayed decode batches (``padding``), driven as the hooks drive it: the replay
+# preparation's AROUND hook, the forward-context and capture frames, and ``bound`` as the rewrite asks it (under a
+# stand-in ``tracing`` where the routing is captured or compiled). The "meta" device stands in for a second device.
+
+DECODE_MODULE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
+LEGACY_MODULE = "sglang.srt.model_executor.cuda_graph_runner"
+CPU_MODULE = "sglang.srt.model_executor.cpu_graph_runner"
+WORKAROUND = ("launch with --disable-cuda-graph-padding, or capture every decode batch size "
+              "(--cuda-graph-bs-decode 1 2 ... N; --cuda-graph-bs before 0.5.14)")
+
+
+@pytest.fixture
+def padding_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OEA on (OEA_K0=2), both replay hooks installed, the first forward's checks done; a fresh state."""
+    fresh_state(monkeypatch)
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    STATE.padding_hooked = {"cuda": True, "cpu": True}
+    STATE.phase_hook_seen = True
+
+
+def _tokens(rows: int) -> SimpleNamespace:
+    """A decode ``ForwardBatch`` of ``rows`` token rows."""
+    return SimpleNamespace(forward_mode=FakeMode.DECODE, input_ids=torch.zeros(rows, dtype=torch.int64),
+                           batch_size=rows)
+
+
+def _traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on the routing is captured or compiled (``padding.tracing``)."""
+    monkeypatch.setattr(padding, "tracing", lambda: True)
+
+
+class RenamedRunner:
+    """A graph runner of a decode graph that does not leave ``raw_num_token``."""
+
+    capture_forward_mode = FakeMode.DECODE
+
+
+def _runner(rows: int) -> SimpleNamespace:
+    """A decode graph runner whose ``load_batch`` left ``raw_num_token`` = ``rows``."""
+    return SimpleNamespace(capture_forward_mode=FakeMode.DECODE, raw_num_token=rows)
+
+
+def _loaded(self: Any, forward_batch: Any) -> None:
+    """``DecodeCudaGraphRunner.load_batch`` (returns nothing; leaves ``raw_num_token``)."""
+
+
+@pytest.mark.parametrize(("shipped", "expected"), [
+    ({DECODE_MODULE, LEGACY_MODULE, CPU_MODULE}, ("DECODE", "CPU")),
+    ({LEGACY_MODULE}, ("LEGACY", None)),
+    ({CPU_MODULE}, (None, "CPU")),
+    (set(), (None, None)),
+])
+def test_the_replay_hook_points_are_those_of_the_modules_sglang_ships(
+        monkeypatch: pytest.MonkeyPatch, shipped: set[str], expected: tuple[str | None, str | None]) -> None:
+    monkeypatch.setattr(padding.targets, "module_available", lambda module: module in shipped)
+    names = {"DECODE": padding.DECODE_REPLAY_TARGET, "LEGACY": padding.LEGACY_REPLAY_TARGET,
+             "CPU": padding.CPU_REPLAY_TARGET, None: None}
+    assert padding.replay_targets() == {"cuda": names[expected[0]], "cpu": names[expected[1]]}
+    assert padding.replay_plan() == [(names[t], padding.replay_around, "AROUND") for t in expected if t]
+
+
+@pytest.mark.parametrize(("shipped", "hooked", "found", "missing"), [
+    ({"cuda": padding.DECODE_REPLAY_TARGET, "cpu": padding.CPU_REPLAY_TARGET}, {padding.CPU_REPLAY_TARGET},
+     {"cuda": False, "cpu": True}, padding.DECODE_REPLAY_TARGET),
+    ({"cuda": None, "cpu": None}, set(), {"cuda": False, "cpu": False},
+     f"each of {padding.DECODE_REPLAY_TARGET} and {padding.LEGACY_REPLAY_TARGET}"),
+])
+def test_a_missing_cuda_replay_hook_is_one_warning_naming_what_is_missing(
+        padding_on: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        shipped: dict[str, str | None], hooked: set[str], found: dict[str, bool], missing: str) -> None:
+    monkeypatch.setattr(padding, "replay_targets", lambda: shipped)
+    monkeypatch.setattr(padding.targets, "engine_version", lambda: VERSION)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert padding.check_replay_hooks(lambda target: target in hooked) == found
+        padding.check_replay_hooks(lambda target: target in hooked)
+    assert STATE.padding_hooked == found, "what bound reads"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"oea: no CUDA-graph replay hook point ({missing} is missing in sglang {VERSION}): padding rows of "
+        "graph-replayed decode batches join the OEA union at plain TP (SGLang's own num_token_non_padded still "
+        "bounds them with EP > 1, DP-attention gathering or a custom all-to-all); "
+        f"workaround: {WORKAROUND}"]
+
+
+def test_an_installed_cuda_replay_hook_says_nothing(padding_on: None, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(padding, "replay_targets", lambda: {"cuda": padding.LEGACY_REPLAY_TARGET, "cpu": None})
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert padding.check_replay_hooks(lambda target: True) == {"cuda": True, "cpu": False}
+    assert caplog.records == []
+
+
+# -- the count ---------------------------------------------------------------------------------------------------
+
+def test_each_device_keeps_its_own_int32_count_written_only_when_it_changes(padding_on: None) -> None:
+    padding.fill("cpu", 0)  # a new count already holds 0: nothing to write
+    assert STATE.padding_fills == 0
+    padding.fill("cpu", 1)
+    padding.fill("meta", 3)
+    cpu, meta = padding.count_for("cpu"), padding.count_for(torch.device("meta"))
+    assert cpu is not None and meta is not None and cpu is not meta
+    assert int(cpu) == 1 and STATE.padding_fills == 2, "a count of 1 real row is written"
+    assert (cpu.dtype, cpu.shape, cpu.device.type) == (torch.int32, torch.Size([]), "cpu")
+    assert (meta.dtype, meta.shape, meta.device.type) == (torch.int32, torch.Size([]), "meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a device without an index)")
+def test_a_cuda_count_is_found_with_or_without_the_device_index(padding_on: None) -> None:
+    """SGLang's capture runner says ``"cuda"``; the logits the rewrite bounds are on ``cuda:<current>``."""
+    padding.fill("cuda", 7)
+    indexed = torch.device("cuda", torch.cuda.current_device())
+    count = padding.count_for(indexed)
+    assert count is not None and count is padding.count_for("cuda") and int(count) == 7
+    assert count.device == indexed and count.dtype == torch.int32
+    padding.fill(indexed, 7)
+    assert STATE.padding_fills == 1
+
+
+# -- the replay hook ---------------------------------------------------------------------------------------------
+
+def test_the_batch_given_by_keyword_is_counted(padding_on: None, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert padding.replay_around(_loaded, _runner(5), forward_batch=_tokens(5)) is None
+    count = padding.count_for("cpu")
+    assert count is not None and int(count) == 5
+    assert caplog.records == []
+
+
+def test_a_call_without_a_runner_or_its_mode_is_left_alone(padding_on: None, caplog: pytest.LogCaptureFixture) -> None:
+    without_mode = SimpleNamespace(raw_num_token=5)  # a runner older than capture_forward_mode
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert padding.replay_around(lambda **kwargs: "prepared", forward_batch=_tokens(5)) == "prepared"
+        assert padding.replay_around(_loaded, without_mode, _tokens(5)) is None
+    assert caplog.records == [] and padding.count_for("cpu") is None
+
+
+def test_a_failed_count_is_logged_once_with_its_traceback(padding_on: None, caplog: pytest.LogCaptureFixture) -> None:
+    broken = _runner(5)
+    broken.raw_num_token = "5 rows"
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(2):
+            assert padding.replay_around(_loaded, broken, _tokens(5)) is None
+    (said,) = caplog.records
+    assert said.getMessage() == ("oea: could not record the real rows of a graph replay; padding rows may join "
+                                 "the union")
+    assert said.levelno == logging.ERROR and said.exc_info is not None
+
+
+def test_a_runner_without_the_real_rows_is_one_warning_naming_it(padding_on: None,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        padding.replay_around(_loaded, RenamedRunner(), _tokens(5))
+        padding.replay_around(_loaded, RenamedRunner(), _tokens(5))
+    assert [r.getMessage() for r in caplog.records] == [
+        "oea: RenamedRunner: real row count or device not found after replay preparation; padding rows may join "
+        f"the union ({WORKAROUND})"]
+
+
+def test_the_device_is_read_from_the_prepared_batch_when_the_given_one_does_not_say(padding_on: None) -> None:
+    prepared = SimpleNamespace(input_ids=torch.tensor(0, device="meta"))  # no row count: not a CPU runner's batch
+    assert padding.replay_around(lambda self, forward_batch: prepared, _runner(6), SimpleNamespace()) is prepared
+    count = padding.count_for("meta")
+    assert count is not None and count.device.type == "meta" and padding.count_for("cpu") is None
+
+
+def test_a_cpu_replay_of_a_batch_without_its_rows_leaves_no_stale_count(padding_on: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CPUGraphRunner.prepare_replay`` given a batch whose rows are unknown: its prepared batch is not bounded
+    by the count an earlier replay left (13 of 16 rows), in the compiled routing either."""
+    prepared = _tokens(16)
+    runner = SimpleNamespace(capture_forward_mode=FakeMode.DECODE)
+    padding.replay_around(lambda self, forward_batch: prepared, runner, _tokens(13))
+    count = padding.count_for("cpu")
+    assert count is not None and int(count) == 13
+    unknown = SimpleNamespace(forward_mode=FakeMode.DECODE)  # no input_ids
+    with padding.batch_rows(unknown, FakeMode.DECODE):
+        padding.replay_around(lambda self, forward_batch: prepared, runner, unknown)
+        with padding.batch_rows(prepared, FakeMode.DECODE):
+            _traced(monkeypatch)
+            assert padding.bound(torch.empty(16, EXPERTS), None) is None
+
+
+# -- frames ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("entered", ["eagerly", "while captured"])
+def test_a_nested_context_of_the_same_batch_is_the_same_frame(padding_on: None, monkeypatch: pytest.MonkeyPatch,
+                                                              entered: str) -> None:
+    batch = _tokens(8)
+    padding.fill("cpu", 8)
+    if entered != "eagerly":
+        _traced(monkeypatch)
+    with padding.batch_rows(batch, FakeMode.DECODE), padding.batch_rows(batch, FakeMode.DECODE):
+        _traced(monkeypatch)
+        bound = padding.bound(torch.empty(8, EXPERTS), None)
+    assert bound is padding.count_for("cpu")
+
+
+def test_a_nested_batch_or_runner_of_the_same_rows_is_not_bounded_by_the_outer_count(
+        padding_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A nested batch (e.g. a two-batch-overlap half) the count does not describe gets no bound, even with the
+    outer batch's row count."""
+    outer, inner = _tokens(8), _tokens(8)  # alive through the forward, as SGLang's batches are (distinct ids)
+    with padding.batch_rows(outer, FakeMode.DECODE), padding.batch_rows(inner, FakeMode.DECODE):
+        _traced(monkeypatch)
+        assert padding.bound(torch.empty(8, EXPERTS), None) is None
+    one, other = (SimpleNamespace(capture_forward_mode=FakeMode.DECODE, device="cpu") for _ in range(2))
+    with padding.capture_rows(one, (8, None), {}), padding.capture_rows(other, (8, None), {}):
+        assert padding.bound(torch.empty(8, EXPERTS), None) is None
+
+
+def test_an_extend_forward_writes_no_count(padding_on: None) -> None:
+    with padding.batch_rows(_tokens(9), FakeMode.EXTEND):
+        assert padding.bound(torch.empty(9, EXPERTS), None) is None
+    assert STATE.padding_fills == 0 and padding.count_for("cpu") is None
+
+
+@pytest.mark.parametrize(("runner", "args", "kwargs", "rows"), [
+    ({}, (), {"bs": 4}, 4),  # capture_one_batch_size(self, bs=..., forward=...)
+    ({}, (), {"size": 4}, 4),  # DecodeCudaGraphRunner.capture_one_shape(self, size=..., forward=...)
+    ({}, (4, None), {}, 4),
+    ({"num_tokens_per_bs": 2}, (4, None), {}, 8),  # a verify graph: requests x tokens per request
+    ({"captured_req_width": 3}, (4, None), {}, 12),
+    ({"capture_forward_mode": None}, (4, None), {}, 4),  # a runner without the attribute
+], ids=["bs", "size", "positional", "num_tokens_per_bs", "captured_req_width", "no-mode"])
+def test_a_captured_graphs_routing_reads_the_count_of_its_rows(
+        padding_on: None, monkeypatch: pytest.MonkeyPatch, runner: dict[str, Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any], rows: int) -> None:
+    fields: dict[str, Any] = {"capture_forward_mode": FakeMode.DECODE, "device": "cpu", **runner}
+    if fields["capture_forward_mode"] is None:
+        del fields["capture_forward_mode"]
+    padding.fill("cpu", rows)
+    with padding.capture_rows(SimpleNamespace(**fields), args, kwargs):
+        _traced(monkeypatch)
+        assert padding.bound(torch.empty(rows, EXPERTS), None) is padding.count_for("cpu")
+        assert padding.bound(torch.empty(rows + 1, EXPERTS), None) is None
+
+
+def test_a_capture_without_a_batch_size_has_no_frame(padding_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    padding.fill("cpu", 4)
+    with padding.capture_rows(SimpleNamespace(capture_forward_mode=FakeMode.DECODE, device="cpu"), (), {}):
+        _traced(monkeypatch)
+        assert padding.bound(torch.empty(4, EXPERTS), None) is None
+
+
+# -- the bound ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("device", "hooked", "bounded"), [
+    ("cpu", {"cuda": False, "cpu": True}, True), ("cpu", {"cuda": True, "cpu": False}, False),
+    ("meta", {"cuda": True, "cpu": False}, True), ("meta", {"cuda": False, "cpu": True}, False),
+])
+def test_captured_routing_is_bounded_only_where_its_devices_replay_hook_is_installed(
+        padding_on: None, monkeypatch: pytest.MonkeyPatch, device: str, hooked: dict[str, bool],
+        bounded: bool) -> None:
+    """CPU logits are counted by the CPU graph runner's hook, any other device's by the CUDA one."""
+    STATE.padding_hooked = hooked
+    padding.fill(device, 8)
+    with padding.batch_rows(_tokens(8), FakeMode.DECODE):
+        _traced(monkeypatch)
+        got = padding.bound(torch.empty(8, EXPERTS, device=device), None)
+    assert got is (padding.count_for(device) if bounded else None)
+
+
+def test_routing_compiled_outside_any_forward_gets_no_bound(padding_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    padding.fill("cpu", 8)
+    _traced(monkeypatch)
+    assert padding.bound(torch.empty(8, EXPERTS), None) is None
+
+
+def test_eager_routing_of_a_padded_batch(padding_on: None) -> None:
+    """A CPU runner's prepared batch of 16 rows, 13 real: routing of other rows (gathered) gets no bound; logits on
+    a device without a count get the real rows as a number."""
+    prepared = _tokens(16)
+    runner = SimpleNamespace(capture_forward_mode=FakeMode.DECODE)
+    padding.replay_around(lambda self, forward_batch: prepared, runner, _tokens(13))
+    with padding.batch_rows(prepared, FakeMode.DECODE):
+        assert padding.bound(torch.empty(32, EXPERTS), None) is None
+        assert padding.bound(torch.empty(16, EXPERTS, device="meta"), None) == 13
+        assert padding.bound(torch.empty(16, EXPERTS), None) is padding.count_for("cpu")
+
+
+def test_each_bounding_mechanism_is_said_once(padding_on: None, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    padding.fill("cpu", 8)
+    with caplog.at_level(logging.INFO, logger=LOGGER), padding.batch_rows(_tokens(8), FakeMode.DECODE):
+        theirs = torch.tensor(6, dtype=torch.int32)
+        for _ in range(2):
+            assert padding.bound(torch.empty(8, EXPERTS), theirs) is theirs
+        _traced(monkeypatch)
+        for rows in (8, 8, 5, 5):
+            padding.bound(torch.empty(rows, EXPERTS), None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "oea: padding rows of decode batches bounded by SGLang's num_token_non_padded",
+        "oea: padding rows of decode batches bounded by OEA's replay count",
+        "oea: padding rows of decode batches bounded by none"]

@@ -82,7 +82,7 @@ def replay_plan() -> list[tuple[str, Callable[..., Any], str]]:
 
 def missing_hook_message(target: str | None) -> str:
     """One line: the replay hook point is missing, what that costs, and the workaround."""
-    what = target or f"neither {DECODE_REPLAY_TARGET} nor {LEGACY_REPLAY_TARGET}"
+    what = target or f"each of {DECODE_REPLAY_TARGET} and {LEGACY_REPLAY_TARGET}"
     return (f"no CUDA-graph replay hook point ({what} is missing in sglang {targets.engine_version()}): padding "
             "rows of graph-replayed decode batches join the OEA union at plain TP (SGLang's own "
             "num_token_non_padded still bounds them with EP > 1, DP-attention gathering or a custom all-to-all); "
