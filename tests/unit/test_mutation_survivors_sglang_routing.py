@@ -8,12 +8,21 @@ exact words of each refusal (they are the warning a user reads when a layer keep
 
 The forward-mode stack (``state.py``): a forward in a thread of its own (SGLang's overlap scheduler) starts outside
 any forward and is rerouted in decode; a mode object without the predicates is neither decode nor verify.
+
+The fillers (``fillers.py``): the tensors themselves where nothing can repeat, ids past the experts, the order of
+the candidates at its tie (the last expert active, expert 0 not), k above N, dtypes and widths kept, the caller's
+kept mask read, the module's masks made once per (k, device) on that device and never kept from a compiled or
+captured region (stand-ins for Dynamo and CUDA capture), and SGLang's capture: positional calls swapped with their
+other arguments kept, the capturer wrapped once over many calls, a capturer module without its getter.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 import threading
+import types
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,10 +31,16 @@ import torch
 from sglang_stand_ins import FakeMode, fresh_state, topk_config, topk_module
 
 import oea
+import oea.integrations.sglang.fillers as fillers_module
 import oea.integrations.sglang.routing as plugin_routing
 from oea.config import settings_from_env
 from oea.integrations import sglang as plugin
-from oea.integrations.sglang.fillers import distinct_fillers
+from oea.integrations.sglang.fillers import (
+    capture_replay_ids,
+    distinct_fillers,
+    distinct_fillers_on_host,
+    earlier_mask,
+)
 from oea.integrations.sglang.state import STATE, decode_or_verify
 
 torch.set_num_threads(1)
@@ -176,3 +191,166 @@ def test_a_forward_mode_without_the_predicates_is_neither_decode_nor_verify(sgla
             assert plugin.decode_active() is False
             assert plugin_routing.post_process_before(**_call(0, topk_config())) is None
     assert decode_or_verify(FakeMode.TARGET_VERIFY, apply_to_verify) is apply_to_verify
+
+
+# -- fillers.py: distinct fillers, the filler mask, the routed-experts capture ---------------------------------------
+
+Fillers = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+BOTH = pytest.mark.parametrize("fillers", [distinct_fillers, distinct_fillers_on_host], ids=["torch", "host"])
+CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+
+
+def _tril(k: int) -> list[list[bool]]:
+    return [[i < j for i in range(k)] for j in range(k)]
+
+
+@BOTH
+def test_a_call_without_rows_or_of_a_top_1_router_returns_its_own_tensors(fillers: Fillers) -> None:
+    """Nothing to rename: an idle batch (no rows) or one slot per row hands back the very tensors, nothing copied."""
+    for ids, weights, k in ((torch.zeros(0, 4, dtype=torch.int32), torch.zeros(0, 4), 4),
+                            (torch.zeros(0, 5, dtype=torch.int32), torch.zeros(0, 5), 4),
+                            (torch.tensor([[3], [3]], dtype=torch.int32), torch.ones(2, 1), 1)):
+        new_ids, new_weights = fillers(ids, weights, k, 8)
+        assert new_ids is ids and new_weights is weights
+
+
+@BOTH
+def test_an_id_above_the_experts_is_no_expert_of_the_row(fillers: Fillers) -> None:
+    """An id past the last expert (as an id of no expert) is renamed where it repeats and frees no candidate."""
+    ids = torch.tensor([[11, 11, 1, 1]], dtype=torch.int32)
+    assert fillers(ids, torch.ones(1, 4), 4, 8)[0].tolist() == [[11, 0, 1, 2]]
+
+
+@BOTH
+def test_the_last_expert_run_by_another_row_comes_before_every_expert_nobody_runs(fillers: Fillers) -> None:
+    ids = torch.tensor([[16, 16, 10, 11, 15], [15, 15, 15, 15, 15]])
+    assert fillers(ids, torch.ones(2, 5), 5, 17)[0].tolist() == [[16, 0, 10, 11, 15], [15, 10, 11, 16, 0]]
+
+
+@BOTH
+def test_more_slots_than_experts_still_name_only_experts(fillers: Fillers) -> None:
+    """k above N (no row can hold k distinct experts): the slots left without a free expert still name a real
+    expert (the last candidate), never an index past the experts."""
+    ids, weights = torch.tensor([[0, 0, 0]], dtype=torch.int32), torch.tensor([[1.0, 0, 0]])
+    new_ids, new_weights = fillers(ids, weights, 3, 2)
+    assert new_ids.tolist() == [[0, 1, 1]] and new_weights.tolist() == [[1.0, 0, 0]]
+
+
+def test_the_ids_keep_their_dtype_without_appended_columns() -> None:
+    ids = torch.tensor([[2, 2, 2, 2], [1, 2, 3, 4]], dtype=torch.int32)
+    new_ids, _ = distinct_fillers(ids, torch.ones(2, 4), 4, 8)
+    assert new_ids.dtype == torch.int32 and new_ids.tolist() == [[2, 1, 3, 4], [1, 2, 3, 4]]
+
+
+@BOTH
+def test_ids_and_weights_each_keep_their_own_width(fillers: Fillers) -> None:
+    """Appended columns on only one of the two tensors: each comes back as wide as it was given."""
+    ids, weights = torch.tensor([[5, 5, 5, 7]]), torch.tensor([[1.0, 0, 0]])
+    new_ids, new_weights = fillers(ids, weights, 3, 8)
+    assert new_ids.tolist() == [[5, 0, 1, 7]] and new_weights.tolist() == [[1.0, 0, 0]]
+    ids, weights = torch.tensor([[5, 5, 5]]), torch.tensor([[1.0, 0, 0, 1.0]])
+    new_ids, new_weights = fillers(ids, weights, 3, 8)
+    assert new_ids.tolist() == [[5, 0, 1]] and new_weights.tolist() == [[1.0, 0, 0, 1.0]]
+
+
+def test_the_filler_mask_a_caller_keeps_is_the_one_read() -> None:
+    """``earlier`` (the layer's kept mask) decides which slots repeat: it is used, not remade per call, and the
+    module's own cache is left alone."""
+    ids, weights = torch.tensor([[4, 4, 4]]), torch.tensor([[1.0, 0, 0]])
+    only_slot_1 = torch.tensor([[False] * 3, [True, False, False], [False] * 3])  # slot 2 is never a repeat
+    assert distinct_fillers(ids, weights, 3, 8, only_slot_1)[0].tolist() == [[4, 0, 4]]
+    assert distinct_fillers_on_host(ids, weights, 3, 8, only_slot_1.numpy())[0].tolist() == [[4, 0, 4]]
+
+
+def test_a_mask_made_for_a_caller_without_one_is_kept_per_k_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fillers_module, "_EARLIER", {})
+    mask = fillers_module._earlier(3, CPU)
+    assert mask.dtype == torch.bool and mask.device == CPU and mask.tolist() == _tril(3)
+    assert fillers_module._earlier(3, CPU) is mask, "made once"
+    on_meta = fillers_module._earlier(3, META)  # another device (meta stands in for an accelerator)
+    assert on_meta.device == META and on_meta.shape == (3, 3) and fillers_module._earlier(3, CPU) is mask
+    assert fillers_module._earlier(4, CPU).tolist() == _tril(4)
+    assert sorted(fillers_module._EARLIER) == [(3, "cpu"), (3, "meta"), (4, "cpu")]
+    assert distinct_fillers(torch.tensor([[6, 6, 6]]), torch.ones(1, 3), 3, 8)[0].tolist() == [[6, 0, 1]]
+    assert earlier_mask(3, CPU).tolist() == _tril(3) and earlier_mask(3, META).device == META
+
+
+def test_the_fillers_run_on_the_ids_device() -> None:
+    ids = torch.tensor([[7, 1, 2, 3], [1, 1, 1, 1]], dtype=torch.int32, device=META)
+    new_ids, new_weights = distinct_fillers(ids, torch.ones(2, 4, device=META), 4, 8)
+    assert (new_ids.device, new_ids.dtype, new_ids.shape) == (META, torch.int32, (2, 4))
+    assert new_weights.device == META
+
+
+def test_no_mask_is_kept_from_a_compiled_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While Dynamo traces (a stand-in ``is_compiling``), ``earlier_mask`` gives none to keep and a mask made for
+    the call stays out of the cache."""
+    monkeypatch.setattr(fillers_module, "_EARLIER", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert earlier_mask(3, CPU) is None
+    assert fillers_module._earlier(3, CPU).tolist() == _tril(3) and fillers_module._EARLIER == {}
+
+
+def test_no_mask_is_kept_from_a_cuda_graph_capture_of_that_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a CUDA stream captures (stand-ins for ``torch.cuda``), a CUDA mask is not kept; a CPU mask is no
+    graph's and is kept; a CUDA device outside capture may keep one."""
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert earlier_mask(3, CUDA) is None
+    assert earlier_mask(3, CPU).tolist() == _tril(3)
+    capturing[0] = False
+    assert fillers_module._tracing_or_capturing(CUDA) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capturing[0] = True
+    assert fillers_module._tracing_or_capturing(CUDA) is False, "no CUDA: nothing captures"
+
+
+class _Capturer:
+    """SGLang's routed-experts capturer: ``capture(layer_id, topk_indices, ...)``, keyword or positional."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[Any, ...]] = []
+
+    def capture(self, layer_id: int, topk_indices: torch.Tensor, *rest: Any) -> None:
+        self.captured.append((layer_id, topk_indices.clone(), *rest))
+
+
+def _capturer_module(monkeypatch: pytest.MonkeyPatch, **attributes: Any) -> None:
+    module = types.ModuleType(fillers_module.CAPTURER_MODULE)
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    monkeypatch.setitem(sys.modules, fillers_module.CAPTURER_MODULE, module)
+
+
+def test_a_positional_capture_gets_oea_ids_and_keeps_its_other_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = _Capturer()
+    _capturer_module(monkeypatch, get_global_experts_capturer=lambda: held)
+    kernel, replay = torch.tensor([[3, 0, 1]]), torch.tensor([[3, 3, 3]])
+    capture_replay_ids(kernel, replay)
+    held.capture(7, kernel)
+    capture_replay_ids(kernel, replay)
+    held.capture(8, kernel, "extra")
+    assert [(c[0], c[1].tolist(), *c[2:]) for c in held.captured] == [(7, [[3, 3, 3]]), (8, [[3, 3, 3]], "extra")]
+
+
+def test_the_capture_is_wrapped_once_however_many_calls_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rewritten call notes its ids; the capturer is wrapped at the first only (a wrapper per call would nest
+    past Python's recursion limit within a thousand decode steps)."""
+    held = _Capturer()
+    _capturer_module(monkeypatch, get_global_experts_capturer=lambda: held)
+    kernel, replay = torch.tensor([[3, 0]]), torch.tensor([[3, 3]])
+    capture_replay_ids(kernel, replay)
+    wrapped = held.capture
+    for _ in range(1200):
+        capture_replay_ids(kernel, replay)
+    assert held.capture is wrapped
+    held.capture(layer_id=0, topk_indices=kernel)
+    assert held.captured[0][1].tolist() == [[3, 3]]
+
+
+def test_a_capturer_module_without_its_getter_captures_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _capturer_module(monkeypatch)  # SGLang imported the module, but this version has no global capturer
+    kernel = torch.tensor([[1, 2]])
+    capture_replay_ids(kernel, torch.tensor([[1, 1]]))
+    assert fillers_module.REPLAY.swap(kernel) is kernel
