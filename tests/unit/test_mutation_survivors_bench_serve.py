@@ -1,10 +1,14 @@
-"""``oea bench serve``'s engine detection and check at the edges the generated mutants of ``make mutation`` found
-unguarded (docs/testing.md, "Generated mutants"): a flag written ``--flag=value`` whose value holds ``=``, the
-``--engine`` error's words, a base URL with a trailing slash, answers that are not a list of model objects, a
-server that answers late, and proxy variables that must not reroute the loopback probe."""
+"""``oea bench serve``'s engine detection and A/B summary at the edges the generated mutants of ``make mutation``
+found unguarded (docs/testing.md, "Generated mutants").
+
+Engine detection: a flag written ``--flag=value`` whose value holds ``=``, the ``--engine`` error's words, a base
+URL with a trailing slash, answers that are not a list of model objects, a server that answers late, and proxy
+variables that must not reroute the loopback probe. The summary (``oea.bench.serve.summary``): ``--json``'s
+per-arm ranges, the seed, which metrics get ratios and paired differences, the table cell by cell and the plot."""
 
 from __future__ import annotations
 
+import math
 import time
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -88,3 +92,281 @@ def test_the_default_timeout_is_five_seconds_without_the_environments_settings(
     monkeypatch.setattr(httpx, "get", get)
     assert served_engine("http://127.0.0.1:9/") == "unknown"
     assert calls == [{"url": "http://127.0.0.1:9/v1/models", "timeout": 5.0, "trust_env": False}]
+
+
+# ---------------------------------------------------------------- the serving A/B summary (``oea.bench.serve.summary``)
+
+
+def _serve_row(arm: str, conc: int, rnd: int, tpot: float, **extra: Any) -> dict[str, Any]:
+    return {"arm": arm, "max_concurrency": conc, "round": rnd, "median_tpot_ms": tpot, "median_itl_ms": tpot,
+            "mean_tpot_ms": tpot, "mean_ttft_ms": 5.0, "output_throughput": 1000.0 / tpot, **extra}
+
+
+def test_summarize_gives_each_arm_and_concurrency_the_median_and_range_over_rounds() -> None:
+    """``--json``'s ``summary``: per (max_concurrency, arm), ordered by concurrency then arm name, the median and
+    min..max over rounds of output tok/s and mean TPOT (rounds whose TPOT is NaN left out) and the median TTFT."""
+    from oea.bench.serve.summary import summarize
+
+    nan = float("nan")
+    rows = [  # 'b' before 'a' and 16 before 2 in the file: the order is by concurrency, then arm
+        {"arm": "b", "max_concurrency": 16, "output_throughput": 30.0, "mean_tpot_ms": 9.0, "mean_ttft_ms": 1.0},
+        {"arm": "b", "max_concurrency": 16, "output_throughput": 10.0, "mean_tpot_ms": nan, "mean_ttft_ms": 7.0},
+        {"arm": "b", "max_concurrency": 16, "output_throughput": 11.0, "mean_tpot_ms": 1.0, "mean_ttft_ms": 2.0},
+        {"arm": "b", "max_concurrency": 16, "output_throughput": 99.0, "mean_tpot_ms": 2.0, "mean_ttft_ms": 3.0},
+        {"arm": "a", "max_concurrency": 16, "output_throughput": 5.0, "mean_tpot_ms": nan, "mean_ttft_ms": 4.0},
+        {"arm": "b", "max_concurrency": 2, "output_throughput": 1.0, "mean_tpot_ms": 1.0, "mean_ttft_ms": 1.0},
+        {"arm": "c", "max_concurrency": 2, "output_throughput": 1.0, "mean_tpot_ms": 1.0, "mean_ttft_ms": 1.0},
+        {"arm": "a", "max_concurrency": 2, "output_throughput": 1.0, "mean_tpot_ms": 1.0, "mean_ttft_ms": 1.0},
+    ]
+    out = summarize(rows)
+    assert [(s["max_concurrency"], s["arm"]) for s in out] == [(2, "a"), (2, "b"), (2, "c"), (16, "a"), (16, "b")]
+    b16 = out[-1]
+    assert b16 == {"arm": "b", "max_concurrency": 16, "rounds": 4,
+                   "output_throughput_median": 20.5, "output_throughput_min": 10.0, "output_throughput_max": 99.0,
+                   "mean_tpot_ms_median": 2.0, "mean_tpot_ms_min": 1.0, "mean_tpot_ms_max": 9.0,
+                   "mean_ttft_ms_median": 2.5}
+    a16 = out[-2]  # its only round has no TPOT: NaN, not an error
+    assert a16["rounds"] == 1 and a16["output_throughput_median"] == 5.0 and a16["mean_ttft_ms_median"] == 4.0
+    assert all(math.isnan(a16[f"mean_tpot_ms_{stat}"]) for stat in ("median", "min", "max"))
+
+
+def _printed_table(monkeypatch: pytest.MonkeyPatch, summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``print_ab_table`` hands rich: the console's width, the title, caption, headers, justification and
+    cells (row by row) of its table; the printing itself still happens."""
+    from rich.console import Console
+
+    from oea.bench.serve.summary import print_ab_table
+
+    seen: list[tuple[int, Any]] = []
+    original = Console.print
+
+    def record(self: Console, *objects: Any, **kwargs: Any) -> None:
+        seen.append((self.width, objects[0]))
+        original(self, *objects, **kwargs)
+
+    monkeypatch.setattr(Console, "print", record)
+    print_ab_table(summary)
+    [(width, table)] = seen
+    return {"width": width, "title": table.title, "caption": table.caption,
+            "headers": [c.header for c in table.columns], "justify": {c.justify for c in table.columns},
+            "rows": [list(row) for row in zip(*(c._cells for c in table.columns), strict=True)]}
+
+
+def _entry(arm: str, **fields: Any) -> dict[str, Any]:
+    return {"arm": arm, "max_concurrency": 16, "rounds": 3, "baseline": "off", **fields}
+
+
+_FIGURES = {"median_tpot_ms": 100.04, "median_tpot_ms_ci": [90.0, 110.0], "median_itl_ms": 50.0,
+            "median_itl_ms_ci": [40.0, 60.0], "output_throughput": 1234.56, "output_throughput_ci": [1200.0, 1300.0]}
+_SPEC = {"spec_acceptance_rate": 0.7, "spec_acceptance_rate_ci": [0.65, 0.75], "spec_mean_accepted_length": 3.1,
+         "spec_mean_accepted_length_ci": [3.0, 3.2]}
+_ENGINE = {"engine_active_experts": 24.04, "engine_routing_us_per_call": 199.6, "engine_step_ms_median": 99.96,
+           "engine_routing_share_step": 0.004}
+_COMMON_COLUMNS = ["c", "arm", "rounds", "median TPOT ms", "TPOT ratio", "pairs", "median ITL ms", "out tok/s",
+                   "tok/s ratio"]
+_ENGINE_COLUMNS = ["active experts", "routing µs/call", "step ms", "routing share/step"]
+
+
+def test_the_ab_table_has_every_column_and_cell_where_its_header_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The A/B table, cell by cell: a figure with its interval, ``–`` where an entry lacks it, ratios with the rounds
+    they pair (``–`` for the baseline, ``0 (unpaired)`` and ``(no CI)`` where fewer than two rounds are common, and
+    then the caption), the speculation columns (verify steps with the rewritten ones, 0 when not counted), the
+    engine columns; right-justified, 200 characters wide."""
+    summary = [
+        _entry("off", **_FIGURES, **_SPEC, **_ENGINE, engine_active_experts_stock=48.0, engine_verify_steps=50),
+        _entry("k3", **_FIGURES, **_SPEC, **_ENGINE, median_tpot_ms_ratio=0.7, median_tpot_ms_ratio_ci=[0.65, 0.75],
+               median_tpot_ms_ratio_pairs=3, output_throughput_ratio=1.4286, output_throughput_ratio_ci=[1.3, 1.5],
+               spec_acceptance_rate_diff=0.05, spec_acceptance_rate_diff_ci=[-0.01, 0.06], engine_verify_steps=60,
+               engine_verify_steps_rewritten=59),
+        _entry("k5", rounds=1, median_tpot_ms=80.0, median_tpot_ms_ci=[80.0, 80.0], median_tpot_ms_ratio=0.8,
+               median_tpot_ms_ratio_ci=None, median_tpot_ms_ratio_pairs=0, median_tpot_ms_ratio_note="no interval"),
+    ]
+    printed = _printed_table(monkeypatch, summary)
+    assert printed["width"] == 200 and printed["justify"] == {"right"}
+    assert printed["title"] == ("serving A/B (medians over rounds, 95% CI; ratios vs 'off', paired by round; engine "
+                                "columns: means over rounds)")
+    assert printed["caption"] == ("(no CI): fewer than 2 rounds in common with the baseline arm, so no interval; "
+                                  "that ratio is of all rounds' medians, unpaired")
+    assert printed["headers"] == [*_COMMON_COLUMNS, "acceptance", "Δ acceptance", "mean acc. length",
+                                  "verify steps (rewritten)", *_ENGINE_COLUMNS]
+    figures = ["100.0 [90.0–110.0]", "50.0 [40.0–60.0]", "1234.6 [1200.0–1300.0]"]
+    spec = ["0.700 [0.650–0.750]", "3.10 [3.00–3.20]"]
+    engine = ["200", "100.0", "0.40%"]
+    assert printed["rows"] == [
+        ["16", "off", "3", figures[0], "–", "–", figures[1], figures[2], "–", spec[0], "–", spec[1], "50 (0)",
+         "24.0 (48.0)", *engine],
+        ["16", "k3", "3", figures[0], "0.700 [0.650–0.750]", "3 rounds", figures[1], figures[2],
+         "1.429 [1.300–1.500]", spec[0], "+0.050 [-0.010–+0.060]", spec[1], "60 (59)", "24.0", *engine],
+        ["16", "k5", "1", "80.0 [80.0–80.0]", "0.800 (no CI)", "0 (unpaired)", "–", "–", "–", "–", "–", "–", "–",
+         "–", "–", "–", "–"],
+    ]
+
+
+def test_a_one_arm_table_has_no_ratio_title_and_no_speculation_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    printed = _printed_table(monkeypatch, [_entry("off", **_FIGURES), _entry("off", max_concurrency=32)])
+    assert printed["title"] == "serving (medians over rounds, 95% CI; engine columns: means over rounds)"
+    assert printed["caption"] is None
+    assert printed["headers"] == [*_COMMON_COLUMNS, *_ENGINE_COLUMNS]
+    assert printed["rows"][1] == ["32", "off", "3", *["–"] * 10]
+    two = _printed_table(monkeypatch, [_entry("off", **_FIGURES), _entry("k3", **_FIGURES)])
+    assert two["title"].startswith("serving A/B (") and two["caption"] is None
+
+
+def test_non_finite_figures_print_as_python_writes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``inf`` and ``nan`` in lower case in every formatted cell (a rate or length the engine could not give)."""
+    inf, nan = float("inf"), float("nan")
+    fields = {key: inf for key in ("median_tpot_ms", "median_tpot_ms_ratio", "median_itl_ms", "output_throughput",
+                                   "output_throughput_ratio", "spec_acceptance_rate", "spec_mean_accepted_length",
+                                   "spec_acceptance_rate_diff")}
+    fields |= {f"{key}_ci": [nan, inf] for key in fields}
+    [row] = _printed_table(monkeypatch, [_entry("k3", **fields, median_tpot_ms_ratio_pairs=2)])["rows"]
+    assert row[3:] == ["inf [nan–inf]", "inf [nan–inf]", "2 rounds", "inf [nan–inf]", "inf [nan–inf]",
+                       "inf [nan–inf]", "inf [nan–inf]", "+inf [+nan–+inf]", "inf [nan–inf]", "–", "–", "–", "–", "–"]
+
+
+def _plotted(monkeypatch: pytest.MonkeyPatch, summary: list[dict[str, Any]], path: Any, **kwargs: Any) -> Any:
+    """``plot_ab``'s figure (kept from its ``savefig``; the PNG is still written) and the PNG's width and height."""
+    from matplotlib.figure import Figure
+
+    from oea.bench.serve.summary import plot_ab
+
+    figures: list[Figure] = []
+    original = Figure.savefig
+
+    def record(self: Figure, *args: Any, **kw: Any) -> None:
+        figures.append(self)
+        original(self, *args, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    assert plot_ab(summary, path, **kwargs) == path
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    [figure] = figures
+    return figure, (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big"))
+
+
+def _bars(ax: Any) -> dict[str, dict[str, Any]]:
+    """Each arm's error-bar line in ``ax``: points, bar ends, marker, colour, cap size."""
+    out = {}
+    for container in ax.containers:
+        line, caps, bars = container.lines
+        out[container.get_label()] = {
+            "x": list(line.get_xdata()), "y": [float(v) for v in line.get_ydata()], "marker": line.get_marker(),
+            "color": line.get_color(), "caps": sorted({c.get_markersize() for c in caps}),
+            "bars": [[float(seg[0][1]), float(seg[1][1])] for bar in bars for seg in bar.get_segments()]}
+    return out
+
+
+def test_the_ab_plot_draws_each_arm_with_its_intervals_in_side_by_side_panels(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three panels side by side (15 x 4.2 in at 110 dpi: 1650 x 462 px) against max concurrency on a log2 axis:
+    median TPOT, output tok/s and the TPOT ratio with a line at 1; one line per arm in its own colour, bars the 95%
+    intervals (none where a ratio has no interval), a legend, a grid, the title above; drawn with Agg, then closed."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    summary = [
+        _entry("off", max_concurrency=1, median_tpot_ms=10.0, median_tpot_ms_ci=[9.0, 12.0], output_throughput=100.0,
+               output_throughput_ci=[90.0, 101.0]),
+        _entry("off", max_concurrency=4, median_tpot_ms=20.0, median_tpot_ms_ci=[19.0, 23.0], output_throughput=200.0,
+               output_throughput_ci=[150.0, 260.0]),
+        _entry("k3", max_concurrency=1, median_tpot_ms=7.0, median_tpot_ms_ci=[6.0, 8.5], output_throughput=140.0,
+               output_throughput_ci=[130.0, 141.0], median_tpot_ms_ratio=0.7, median_tpot_ms_ratio_ci=[0.6, 0.75]),
+        _entry("k3", max_concurrency=4, median_tpot_ms=15.0, median_tpot_ms_ci=[14.0, 15.5], output_throughput=250.0,
+               output_throughput_ci=[240.0, 270.0], median_tpot_ms_ratio=0.75, median_tpot_ms_ratio_ci=None),
+        _entry("k5", max_concurrency=4, output_throughput=300.0, output_throughput_ci=[280.0, 330.0]),  # no TPOT
+    ]
+    before = set(plt.get_fignums())
+    figure, pixels = _plotted(monkeypatch, summary, tmp_path / "ab.png", title="the run")
+    assert set(plt.get_fignums()) == before, "the figure is closed"
+    assert matplotlib.get_backend() == "Agg"
+    assert tuple(figure.get_size_inches()) == pytest.approx((15.0, 4.2)) and pixels == (1650, 462)
+    assert figure._suptitle is not None and figure._suptitle.get_text() == "the run"
+    axes = figure.axes
+    positions = [ax.get_position() for ax in axes]
+    assert len(axes) == 3 and len({round(p.y0, 6) for p in positions}) == 1
+    assert positions[0].x1 <= positions[1].x0 and positions[1].x1 <= positions[2].x0
+    assert [ax.get_ylabel() for ax in axes] == ["median TPOT (ms)", "output throughput (tok/s)", "TPOT / baseline TPOT"]
+    for ax in axes:
+        assert ax.get_xlabel() == "max concurrency"
+        assert ax.get_xscale() == "log" and ax.xaxis.get_transform().base == 2
+        grid = ax.xaxis.get_gridlines()[0]
+        assert grid.get_visible() and grid.get_alpha() == 0.3
+    off, k3, k5 = ({"marker": "o", "caps": [6.0], "color": f"C{i}"} for i in range(3))
+    assert _bars(axes[0]) == {"off": {**off, "x": [1, 4], "y": [10.0, 20.0], "bars": [[9.0, 12.0], [19.0, 23.0]]},
+                              "k3": {**k3, "x": [1, 4], "y": [7.0, 15.0], "bars": [[6.0, 8.5], [14.0, 15.5]]}}
+    assert _bars(axes[1]) == {
+        "off": {**off, "x": [1, 4], "y": [100.0, 200.0], "bars": [[90.0, 101.0], [150.0, 260.0]]},
+        "k3": {**k3, "x": [1, 4], "y": [140.0, 250.0], "bars": [[130.0, 141.0], [240.0, 270.0]]},
+        "k5": {**k5, "x": [4], "y": [300.0], "bars": [[280.0, 330.0]]}}
+    assert _bars(axes[2]) == {"k3": {**k3, "x": [1, 4], "y": [0.7, 0.75], "bars": [[0.6, 0.75], [0.75, 0.75]]}}
+    assert [[t.get_text() for t in ax.get_legend().get_texts()] for ax in axes] == [["off", "k3"],
+                                                                                   ["off", "k3", "k5"], ["k3"]]
+    [one] = [line for line in axes[2].lines if list(line.get_ydata()) == [1.0, 1.0]]
+    assert one.get_color() == "grey" and one.get_linewidth() == 0.8
+    assert not any(list(line.get_ydata()) == [1.0, 1.0] for ax in axes[:2] for line in ax.lines)
+
+
+def test_a_one_arm_plot_has_two_panels_no_title_and_every_arm_its_own_colour(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    one = [_entry("off", max_concurrency=c, median_tpot_ms=10.0, median_tpot_ms_ci=[9.0, 11.0],
+                  output_throughput=100.0, output_throughput_ci=[90.0, 110.0]) for c in (1, 2)]
+    figure, pixels = _plotted(monkeypatch, one, tmp_path / "one.png")
+    assert len(figure.axes) == 2 and pixels == (1100, 462) and figure._suptitle is None
+    twelve = [_entry(f"a{i}", max_concurrency=1, output_throughput=1.0 + i, output_throughput_ci=[1.0, 20.0])
+              for i in range(12)]  # colours cycle after ten arms
+    figure, _ = _plotted(monkeypatch, twelve, tmp_path / "twelve.png")
+    colours = {arm: bar["color"] for arm, bar in _bars(figure.axes[1]).items()}
+    assert colours == {f"a{i}": f"C{i % 10}" for i in range(12)}
+
+
+def test_the_summary_is_reproducible_from_its_seed_and_the_default_seed_is_0() -> None:
+    """Same rows, same seed: the same intervals (medians and paired ratios); no seed is seed 0."""
+    from oea.bench.serve.summary import ab_summary
+
+    tpots = [100.0 + (37 * r) % 41 for r in range(30)]  # 30 distinct rounds: many possible medians
+    rows = [_serve_row("off", 8, r, t) for r, t in enumerate(tpots)]
+    rows += [_serve_row("k3", 8, r, t * (0.6 + 0.01 * (r % 7))) for r, t in enumerate(tpots)]
+    seeded = ab_summary(rows, seed=0)
+    k3 = next(e for e in seeded if e["arm"] == "k3")
+    assert k3["median_tpot_ms_ratio_ci"][0] < k3["median_tpot_ms_ratio_ci"][1], "an interval the seed moves"
+    assert ab_summary(rows) == seeded and ab_summary(rows, seed=0) == seeded
+    assert ab_summary(rows, seed=1) != seeded
+    assert ab_summary(rows, seed=5) == ab_summary(rows, seed=5)
+
+
+def test_every_arm_and_metric_is_summarised_and_only_the_acceptance_rate_gets_a_paired_difference() -> None:
+    """An arm missing at one concurrency does not hide the arms after it; the baseline gets every metric (no
+    ratio); a metric the baseline lacks gets no ratio but the later metrics still do; ``spec_acceptance_rate``
+    alone gets ``_diff`` / ``_diff_ci``, from exactly two common rounds on (the mean paired difference)."""
+    from oea.bench.serve.summary import ab_summary
+
+    spec = [{"spec_acceptance_rate": 0.6, "spec_mean_accepted_length": 2.0},
+            {"spec_acceptance_rate": 0.8, "spec_mean_accepted_length": 3.0}]
+    rows = [_serve_row("off", 4, r, 100.0 + r, **spec[r]) for r in range(2)]
+    rows += [_serve_row("k3", 4, r, 70.0 + r, spec_acceptance_rate=spec[r]["spec_acceptance_rate"] - 0.1 * (r + 1),
+                        spec_mean_accepted_length=2.5) for r in range(2)]
+    rows += [_serve_row("k5", 4, 0, 60.0, spec_mean_accepted_length=2.0),  # one common round
+             _serve_row("k5", 4, 1, 61.0, spec_mean_accepted_length=2.0)]
+    rows += [_serve_row("off", 1, 0, 10.0), _serve_row("k5", 1, 0, 9.0)]  # k3 did not run at concurrency 1
+    rows += [_serve_row("k9", 2, 0, 9.0, spec_acceptance_rate=0.5), _serve_row("off", 2, 0, 10.0),
+             _serve_row("k9", 2, 1, 9.5, spec_acceptance_rate=0.5), _serve_row("off", 2, 1, 11.0)]
+    summary = ab_summary(rows, baseline="off")
+    assert [(e["max_concurrency"], e["arm"]) for e in summary] == [(1, "off"), (1, "k5"), (2, "off"), (2, "k9"),
+                                                                  (4, "off"), (4, "k3"), (4, "k5")]
+    figures = ("median_tpot_ms", "median_itl_ms", "output_throughput", "mean_tpot_ms")
+    spec_figures = ("spec_acceptance_rate", "spec_mean_accepted_length")
+    per_round = {f"{m}{suffix}" for m in (*figures, *spec_figures) for suffix in ("", "_ci", "_rounds")}
+    ratios = {f"{m}{suffix}" for m in (*figures, *spec_figures) for suffix in ("_ratio", "_ratio_ci", "_ratio_pairs")}
+    entry = {(e["max_concurrency"], e["arm"]): e for e in summary}
+    frame = {"arm", "max_concurrency", "rounds", "baseline"}
+    assert set(entry[4, "off"]) == frame | per_round
+    assert set(entry[4, "k3"]) == frame | per_round | ratios | {"spec_acceptance_rate_diff",
+                                                                "spec_acceptance_rate_diff_ci"}
+    assert entry[4, "k3"]["spec_acceptance_rate_diff"] == pytest.approx(-0.15)  # (-0.1 - 0.2) / 2
+    assert entry[4, "k3"]["spec_mean_accepted_length_ratio"] == pytest.approx(1.0)  # 2.5 / median(2, 3)
+    k9 = entry[2, "k9"]  # the baseline has no acceptance rate here: no ratio, the later metrics go on
+    assert "spec_acceptance_rate" in k9
+    assert not {"spec_acceptance_rate_ratio", "spec_acceptance_rate_ratio_ci", "spec_acceptance_rate_diff"} & set(k9)
+    assert {f"{m}_ratio" for m in figures} <= set(k9)
+    assert set(entry[1, "k5"]) >= {"median_tpot_ms_ratio", "median_tpot_ms_ratio_note"}
