@@ -370,3 +370,17 @@ def test_every_arm_and_metric_is_summarised_and_only_the_acceptance_rate_gets_a_
     assert not {"spec_acceptance_rate_ratio", "spec_acceptance_rate_ratio_ci", "spec_acceptance_rate_diff"} & set(k9)
     assert {f"{m}_ratio" for m in figures} <= set(k9)
     assert set(entry[1, "k5"]) >= {"median_tpot_ms_ratio", "median_tpot_ms_ratio_note"}
+
+
+
+def test_step_counts_sum_the_rounds_that_have_them() -> None:
+    """A round without an engine count (its metrics file had no such steps) adds nothing to the arm's sum; an arm
+    none of whose rounds has it gets no count at all."""
+    from oea.bench.serve.summary import ab_summary
+
+    rows = [_serve_row("off", 4, 0, 10.0, engine_verify_steps=7), _serve_row("off", 4, 1, 10.0),
+            _serve_row("off", 4, 2, 10.0, engine_verify_steps=5, engine_decode_steps=2), _serve_row("k3", 4, 0, 9.0)]
+    off, k3 = ab_summary(rows, baseline="off")
+    assert (off["engine_verify_steps"], off["engine_decode_steps"]) == (12, 2)
+    assert "engine_verify_steps_rewritten" not in off
+    assert not any(key.startswith("engine_") for key in k3)
