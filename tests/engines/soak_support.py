@@ -127,11 +127,14 @@ class Soak:
         return (self.work / f"{name}.log").read_text(errors="replace")
 
     def phase(self, name: str, run: Callable[[], None]) -> None:
-        """Run one part; a failure is kept for the tests that need it (the others still run)."""
+        """Run one part; a failure is kept for the tests that need it (the others still run). Its wall time goes to
+        stderr (pytest shows it with ``-s`` or on a failure)."""
+        started = time.monotonic()
         try:
             run()
         except Exception:  # reported by the tests that read this part
             self.out["errors"][name] = traceback.format_exc(limit=8)
+        print(f"{self.engine} soak part {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
 
     def together(self, *parts: tuple[str, Callable[[], None]]) -> None:
         """Run ``phase(name, run)`` for each of ``parts`` at once, one thread each, and wait for all: for
