@@ -14,6 +14,12 @@ the candidates at its tie (the last expert active, expert 0 not), k above N, dty
 kept mask read, the module's masks made once per (k, device) on that device and never kept from a compiled or
 captured region (stand-ins for Dynamo and CUDA capture), and SGLang's capture: positional calls swapped with their
 other arguments kept, the capturer wrapped once over many calls, a capturer module without its getter.
+
+Each layer's state (``router_state.py``): the pass-through reasons' names, why a layer keeps SGLang's routing (aiter,
+NPU, a draft model's TopK) and its absence where the flags are missing, the scaling factor folded as SGLang's
+``topk`` module or the config says, a layer met before any settings, the layer configs install made (read once),
+a k0 by batch size followed per call, the numba kernel planned once per config (not on an empty call, on a one-row
+one) and never from another kernel's plan, and the host filler mask viewed once.
 """
 
 from __future__ import annotations
@@ -23,17 +29,20 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from sglang_stand_ins import FakeMode, fresh_state, topk_config, topk_module
+from sglang_stand_ins import FakeMode, fresh_state, stand_in_module, topk_config, topk_module
 
 import oea
 import oea.integrations.sglang.fillers as fillers_module
+import oea.integrations.sglang.router_state as router_state_module
 import oea.integrations.sglang.routing as plugin_routing
-from oea.config import settings_from_env
+from oea.config import settings_from_env, write_layer_k0_file
 from oea.integrations import sglang as plugin
 from oea.integrations.sglang.fillers import (
     capture_replay_ids,
@@ -41,7 +50,18 @@ from oea.integrations.sglang.fillers import (
     distinct_fillers_on_host,
     earlier_mask,
 )
+from oea.integrations.sglang.plugin import install
+from oea.integrations.sglang.router_state import (
+    BELOW_MIN_BATCH,
+    K0_COVERS_TOP_K,
+    LAYER_FAILED,
+    OEA_OFF,
+    VERIFY_NOT_APPLIED,
+    recorded_spec,
+    router_state,
+)
 from oea.integrations.sglang.state import STATE, decode_or_verify
+from oea.kernels import NumbaRouter, numba_available
 
 torch.set_num_threads(1)
 
@@ -140,10 +160,10 @@ def _call(layer_id: int, cfg: Any, rows: int = 6, experts: int = 64, seed: int =
                 layer_id=layer_id, num_token_non_padded=None, expert_location_dispatch_info=None)
 
 
-def _oea_ids(kwargs: dict[str, Any], k0: int) -> torch.Tensor:
+def _oea_ids(kwargs: dict[str, Any], k0: int, min_batch: int = 2) -> torch.Tensor:
     """What the rewrite hands SGLang for ``kwargs`` under ``OEA_K0=k0``: OEA's ids with distinct fillers."""
     spec = plugin.router_spec_from_topk_config(kwargs["topk_config"], kwargs["router_logits"].shape[1])
-    ids, weights = oea.route(kwargs["router_logits"], spec, oea.OEAConfig(k0))
+    ids, weights = oea.route(kwargs["router_logits"], spec, oea.OEAConfig(k0, min_batch=min_batch))
     return distinct_fillers(ids, weights, spec.top_k, spec.num_experts)[0]
 
 
@@ -354,3 +374,164 @@ def test_a_capturer_module_without_its_getter_captures_nothing(monkeypatch: pyte
     kernel = torch.tensor([[1, 2]])
     capture_replay_ids(kernel, torch.tensor([[1, 1]]))
     assert fillers_module.REPLAY.swap(kernel) is kernel
+
+
+# -- router_state.py: each layer's RouterState ------------------------------------------------------------------------
+
+def _topk_module_without_flags(monkeypatch: pytest.MonkeyPatch, **attributes: Any) -> types.ModuleType:
+    """SGLang's ``topk`` module with only ``attributes`` (an older or newer SGLang lacks the others)."""
+    module = stand_in_module(monkeypatch, plugin.TOPK_MODULE)
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def test_the_pass_through_reasons_are_the_shared_names() -> None:
+    """Each reason a call keeps SGLang's routing is the name the metrics and the ``oea_*`` series use."""
+    names = ("below_min_batch", "k0_covers_top_k", "layer_failed", "oea_off", "verify_not_applied")
+    assert names == (BELOW_MIN_BATCH, K0_COVERS_TOP_K, LAYER_FAILED, OEA_OFF, VERIFY_NOT_APPLIED)
+    assert [router_state_module._reason(name) for name in names] == list(names)
+    with pytest.raises(StopIteration):
+        router_state_module._reason("not_a_reason")
+
+
+@pytest.mark.parametrize(("attributes", "overrides", "why"), [
+    (dict(_use_aiter=True), {}, "AMD aiter routing (SGLANG_USE_AITER=1)"),
+    (dict(_is_npu=True), {}, "Ascend NPU routing"),
+    ({}, dict(allow_routed_experts_capture=False), "speculative draft-model TopK"),
+])
+def test_a_layer_sglang_routes_its_own_way_keeps_it_saying_why(
+        monkeypatch: pytest.MonkeyPatch, attributes: dict[str, Any], overrides: dict[str, Any], why: str) -> None:
+    fresh_state(monkeypatch)
+    _topk_module_without_flags(monkeypatch, **attributes)
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    state = router_state(0, topk_config(**overrides), 64)
+    assert state.spec is None and state.why == why and recorded_spec(state) == why
+    with plugin.forward_mode(FakeMode.DECODE):
+        assert plugin_routing.post_process_before(**_call(0, topk_config(**overrides))) is None
+
+
+def test_a_topk_module_and_config_without_the_optional_flags_are_rerouted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``_use_aiter`` / ``_is_npu`` / fused-scaling function in ``topk`` and no ``allow_routed_experts_capture``
+    on the config (SGLang versions without them): an ordinary layer, rerouted."""
+    fresh_state(monkeypatch)
+    _topk_module_without_flags(monkeypatch)
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    cfg = topk_config()
+    del cfg.allow_routed_experts_capture
+    del cfg.apply_routed_scaling_factor_on_output
+    kwargs = _call(0, cfg)
+    with plugin.forward_mode(FakeMode.DECODE):
+        routed = plugin_routing.post_process_before(**kwargs)
+    state = STATE.routers[0]
+    assert state.why == "" and recorded_spec(state) is state.spec and state.spec.routed_scaling_factor == 1.0
+    assert routed is not None and torch.equal(routed[1]["topk_ids"].long(), _oea_ids(kwargs, 2))
+
+
+@pytest.mark.parametrize(("module_says", "config_says", "scale"), [
+    (True, False, 2.5),  # SGLang's is_routed_scaling_factor_fused_in_topk decides over the config's field
+    (False, True, 1.0),
+    (None, True, 2.5),  # no such function in topk: the config's apply_routed_scaling_factor_on_output
+    (None, False, 1.0),
+])
+def test_the_layers_scaling_factor_is_folded_as_sglang_says(
+        monkeypatch: pytest.MonkeyPatch, module_says: bool | None, config_says: bool, scale: float) -> None:
+    fresh_state(monkeypatch)
+    fused = {} if module_says is None else dict(is_routed_scaling_factor_fused_in_topk=lambda cfg: module_says)
+    _topk_module_without_flags(monkeypatch, **fused)
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    cfg = topk_config(routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=config_says)
+    assert router_state(0, cfg, 64).spec.routed_scaling_factor == scale
+
+
+def test_a_layer_met_before_any_settings_gets_its_spec_and_no_layer_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_state(monkeypatch)
+    topk_module(monkeypatch)
+    state = router_state(3, topk_config(), 64)
+    assert state.settings is None and state.spec is not None and state.spec.top_k == 8
+    assert state.layers.default is None and state.layer_entry is None and state.missing == ""
+    assert router_state(3, state.topk_config, 64) is state
+
+
+def test_every_layer_reads_the_layer_configs_install_made(sglang: None, tmp_path: Path) -> None:
+    path = tmp_path / "k0.json"
+    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=1, k0=(1,), layer_ids=(0,)),
+                        path)
+    install(settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)}))
+    installed = STATE.layers
+    path.unlink()  # read once, at install
+    kwargs = _call(0, topk_config())
+    with plugin.forward_mode(FakeMode.DECODE):
+        routed = plugin_routing.post_process_before(**kwargs)
+    assert STATE.layers is installed and STATE.routers[0].layers is installed
+    assert routed is not None and torch.equal(routed[1]["topk_ids"].long(), _oea_ids(kwargs, 1))
+
+
+def test_a_layers_k0_by_batch_size_follows_each_calls_rows(sglang: None, tmp_path: Path) -> None:
+    """A layer file with ``batch_k0``: each call takes the k0 of its own number of rows (and, on CPU, a kernel
+    prepared for that k0)."""
+    path = tmp_path / "k0.json"
+    write_layer_k0_file(oea.routing.LayerK0Schedule(num_experts=64, top_k=8, num_layers=1, k0=(3,), layer_ids=(0,),
+                                                    batch_k0=((4, (1,)), (64, (3,)))), path)
+    install(settings_from_env({"OEA_K0": "3", "OEA_LAYER_K0_FILE": str(path)}))
+    cfg = topk_config()  # the layer's one TopKConfig, as SGLang's
+    with plugin.forward_mode(FakeMode.DECODE):
+        for rows, k0 in ((3, 1), (8, 3), (4, 1), (8, 3)):
+            kwargs = _call(0, cfg, rows=rows, seed=rows)
+            routed = plugin_routing.post_process_before(**kwargs)
+            assert routed is not None and torch.equal(routed[1]["topk_ids"].long(), _oea_ids(kwargs, k0)), (rows, k0)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+@pytest.mark.parametrize("first_rows", [0, 1, 6])
+def test_a_layers_kernel_is_prepared_once_for_its_config(sglang: None, monkeypatch: pytest.MonkeyPatch,
+                                                         first_rows: int) -> None:
+    """On CPU a layer plans its numba kernel at its first call with rows (an empty call decides nothing; one row
+    is a batch), and its later calls with the same config neither plan again nor dispatch."""
+    STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_MIN_BATCH": "1"})
+    cfg = topk_config()  # the layer's one TopKConfig, as SGLang's
+    with plugin.forward_mode(FakeMode.DECODE):
+        plugin_routing.post_process_before(**_call(0, cfg, rows=first_rows, seed=1))
+        if first_rows == 0:
+            monkeypatch.setattr(plugin_routing, "route_fast", _refused)
+            plugin_routing.post_process_before(**_call(0, cfg, rows=1, seed=2))
+        state = STATE.routers[0]
+        assert isinstance(state.kernel, NumbaRouter)
+        monkeypatch.setattr(router_state_module, "plan", _refused)
+        monkeypatch.setattr(plugin_routing, "route_fast", _refused)
+        for rows in (1, 6):
+            kwargs = _call(0, cfg, rows=rows, seed=3 + rows)
+            routed = plugin_routing.post_process_before(**kwargs)
+            assert routed is not None and torch.equal(routed[1]["topk_ids"].long(), _oea_ids(kwargs, 2, 1))
+    assert not state.failed and STATE.routers[0] is state
+
+
+def _refused(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("planned or dispatched again in a prepared layer's call")
+
+
+def test_a_cpu_layer_planned_onto_another_kernel_gets_no_numba_kernel(sglang: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan`` choosing the Triton interpreter on CPU (``TRITON_INTERPRET=1`` without numba): no numba kernel is
+    built from its parameters; the call routes through ``route_fast``."""
+    real_plan = router_state_module.plan
+    monkeypatch.setattr(router_state_module, "plan", lambda *a, **k: ("triton", real_plan(*a, **k)[1]))
+    kwargs = _call(0, topk_config())
+    with plugin.forward_mode(FakeMode.DECODE):
+        routed = plugin_routing.post_process_before(**kwargs)
+    assert STATE.routers[0].kernel is None and STATE.routers[0].kernel_key is not None
+    assert routed is not None and torch.equal(routed[1]["topk_ids"].long(), _oea_ids(kwargs, 2))
+
+
+def test_a_layers_host_filler_mask_is_viewed_once(sglang: None) -> None:
+    """The numpy view of the layer's filler mask (the host fillers' input) is made at the first call that needs it
+    and kept: it is the CPU mask's own memory."""
+    STATE.settings = settings_from_env({"OEA_K0": "1"})
+    with plugin.forward_mode(FakeMode.DECODE):
+        kwargs = _call(0, topk_config(), rows=2)  # a union of at most 2 < 8: every row repeats
+        routed = plugin_routing.post_process_before(**kwargs)
+    assert routed is not None and torch.equal(routed[1]["topk_ids"].long(), _oea_ids(kwargs, 1))
+    state = STATE.routers[0]
+    view = state.earlier_on_host()
+    assert isinstance(view, np.ndarray) and np.shares_memory(view, state.earlier.numpy())
+    assert view.tolist() == _tril(8) and state.earlier_on_host() is view and state.earlier_host is view
