@@ -144,7 +144,7 @@ def stopping_servers(slots: int = 0, what: str = "servers") -> Iterator[dict[str
     for them first, and frees them once its servers are stopped. A server the block stops itself can stay in the dict
     (stopping twice is harmless) or be popped from it.
     """
-    from oea.launch.server_process import stop_server
+    from oea.launch.server_process import stop_servers
 
     servers: dict[str, Server] = {}
 
@@ -158,8 +158,7 @@ def stopping_servers(slots: int = 0, what: str = "servers") -> Iterator[dict[str
         yield servers
     finally:
         try:
-            for server in servers.values():
-                stop_server(server)
+            stop_servers(list(servers.values()))  # at once: one grace period for all, not one each
         finally:
             held.release()
             signal.signal(signal.SIGTERM, previous)

@@ -1,5 +1,6 @@
 """``oea.launch.server_process``, the engine-free launcher every engine's server goes through: a health wait that
-runs out names the setting that sets it, and ``stop_server`` leaves no process of the group behind."""
+runs out names the setting that sets it, ``stop_server`` leaves no process of the group behind, and
+``stop_servers`` signals every server before it waits for any."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from server_harness import free_port
 
-from oea.launch.server_process import env_arm, option, start_process, stop_server, wait_healthy
+from oea.launch.server_process import env_arm, option, start_process, stop_server, stop_servers, wait_healthy
 
 
 def test_health_timeout_names_its_setting_and_the_group_is_stopped(tmp_path: Path) -> None:
@@ -58,3 +59,39 @@ def test_an_env_arm_is_a_name_and_shell_split_assignments_and_its_errors_name_th
         env_arm("noequals", "--serve-arm")
     with pytest.raises(ValueError, match=r"^--arm a: expected VAR=VALUE, got '=3'$"):
         env_arm("a==3", "--arm")
+
+
+# A stand-in server that, once told to stop (SIGTERM), writes its marker and exits with 3 only after the other
+# stand-in's marker exists: it can exit in time only if both were signalled before either was waited for.
+_WAITS_FOR_THE_OTHER = """
+import os, signal, sys, time
+mine, other = sys.argv[1], sys.argv[2]
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+print("ready", flush=True)
+while not stopping:
+    time.sleep(0.02)
+open(mine, "w").close()
+while not os.path.exists(other):
+    time.sleep(0.02)
+sys.exit(3)
+"""
+
+
+def test_stop_servers_signals_every_server_before_waiting_for_any(tmp_path: Path) -> None:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    a, b = tmp_path / "a", tmp_path / "b"
+    servers = [start_process([sys.executable, "-c", _WAITS_FOR_THE_OTHER, str(mine), str(other)], env,
+                             f"http://127.0.0.1:{free_port()}", log_path=tmp_path / f"{mine.name}.log", name=mine.name)
+               for mine, other in ((a, b), (b, a))]
+    try:
+        for server in servers:  # both handlers installed before any signal
+            deadline = time.monotonic() + 60
+            while "ready" not in server.log_tail() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        codes = stop_servers(servers, grace=30.0)
+    finally:
+        for server in servers:
+            stop_server(server, grace=1.0)
+    # one after the other, the first would wait for a marker the second never writes, and be killed (-9)
+    assert codes == [3, 3] and a.exists() and b.exists()

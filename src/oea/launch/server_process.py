@@ -3,9 +3,9 @@
 Every engine launcher (``oea.launch.vllm``, ``oea.launch.sglang_server``) starts its server through
 ``start_process``: the command runs in its own session (``setsid``), so it leads a process group that holds
 every process the server spawns (vLLM's EngineCore and workers, SGLang's scheduler and detokenizer).
-``stop_server`` signals that whole group, SIGTERM then SIGKILL, so no child is left holding memory or a port,
-even when start-up failed. ``wait_healthy`` polls ``GET /health`` and fails at once, with the log tail, when the
-server exits first; its timeout error names the setting that sets it.
+``stop_server`` signals that whole group, SIGTERM then SIGKILL (``stop_servers``: several at once), so no child is
+left holding memory or a port, even when start-up failed. ``wait_healthy`` polls ``GET /health`` and fails at
+once, with the log tail, when the server exits first; its timeout error names the setting that sets it.
 
 Nothing here imports an engine.
 """
@@ -183,26 +183,42 @@ def stop_server(server: Server, grace: float = 20.0) -> int | None:
     The group is killed even when the leader exits in time: children may outlive it. Returns the leader's
     exit code (None if it could not be reaped).
     """
-    proc = server.process
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        pgid = None
-    if pgid is not None and pgid == proc.pid:
-        _signal_group(pgid, signal.SIGTERM)
-    elif proc.poll() is None:
-        proc.terminate()
-    try:
-        return proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if pgid is not None and pgid == proc.pid:
-            _signal_group(pgid, signal.SIGKILL)
-    try:
-        return proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        return None
+    return stop_servers([server], grace)[0]
+
+
+def stop_servers(servers: Sequence[Server], grace: float = 20.0) -> list[int | None]:
+    """Stop several servers at once, each as ``stop_server`` does: SIGTERM to every group first, then one
+    ``grace`` period for all of them (not one each: a server's shutdown is mostly waiting, and N servers stopped
+    one after the other would take up to N x ``grace``), then SIGKILL to every group. Returns the leaders' exit
+    codes in the order of ``servers``."""
+    groups = []
+    for server in servers:
+        proc = server.process
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        own_group = pgid is not None and pgid == proc.pid
+        if own_group:
+            _signal_group(pgid, signal.SIGTERM)
+        elif proc.poll() is None:
+            proc.terminate()
+        groups.append(pgid if own_group else None)
+    deadline = time.monotonic() + grace
+    codes: list[int | None] = []
+    for server, pgid in zip(servers, groups, strict=True):
+        try:
+            codes.append(server.process.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+        finally:
+            if pgid is not None:
+                _signal_group(pgid, signal.SIGKILL)
+    for index, server in enumerate(servers):
+        if codes[index] is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                codes[index] = server.process.wait(timeout=grace)
+    return codes
 
 
 def signal_server(server: Server, sig: int) -> None:
