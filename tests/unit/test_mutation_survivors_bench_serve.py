@@ -384,3 +384,69 @@ def test_step_counts_sum_the_rounds_that_have_them() -> None:
     assert (off["engine_verify_steps"], off["engine_decode_steps"]) == (12, 2)
     assert "engine_verify_steps_rewritten" not in off
     assert not any(key.startswith("engine_") for key in k3)
+
+
+# ---------------------------------------------------------------- vLLM's speculative-decoding counters per round
+
+
+_COUNTER_PAGE = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{engine="0"} not-a-number
+vllm:num_requests_running{engine="0"} 3.0
+vllm:spec_decode_num_drafts_total{engine="0"} 40.0
+vllm:spec_decode_num_drafts_total{engine="1"} 2.5
+vllm:spec_decode_num_draft_tokens_total 120.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 90.0
+"""
+
+
+def test_counters_skip_comments_other_series_and_unparsable_values_and_read_on() -> None:
+    from oea.bench.serve.engine_counters import parse_spec_counters
+
+    assert parse_spec_counters(_COUNTER_PAGE) == {"num_drafts": 42.5, "num_draft_tokens": 120.0,
+                                                  "num_accepted_tokens": 90.0}
+    assert parse_spec_counters('vllm:spec_decode_num_drafts_total{engine="0"} 7.0\n') == {"num_drafts": 7.0}
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ((200, _COUNTER_PAGE), {"num_drafts": 42.5, "num_draft_tokens": 120.0, "num_accepted_tokens": 90.0}),
+    ((404, _COUNTER_PAGE), {}),  # an error page is never read, whatever it holds
+    ((200, "vllm:num_requests_running 3\n"), {}),
+    (None, {}),  # nothing listens
+])
+def test_a_scrape_asks_metrics_without_the_environments_proxies_and_reads_only_a_200(
+        monkeypatch: pytest.MonkeyPatch, answer: tuple[int, str] | None, expected: dict[str, float]) -> None:
+    import httpx
+
+    from oea.bench.serve.engine_counters import scrape
+
+    calls: list[dict[str, Any]] = []
+
+    class Response:
+        status_code, text = answer or (0, "")
+
+    def get(url: str, **kwargs: Any) -> Any:
+        calls.append({"url": url, **kwargs})
+        if answer is None:
+            raise httpx.ConnectError("refused")
+        return Response()
+
+    monkeypatch.setattr(httpx, "get", get)
+    assert scrape("http://127.0.0.1:9/") == expected
+    assert scrape("http://127.0.0.1:9", timeout=2.5) == expected
+    assert calls == [{"url": "http://127.0.0.1:9/metrics", "timeout": 10.0, "trust_env": False},
+                     {"url": "http://127.0.0.1:9/metrics", "timeout": 2.5, "trust_env": False}]
+
+
+def test_a_round_needs_all_three_counters_in_both_scrapes() -> None:
+    from oea.bench.serve.engine_counters import round_fields
+
+    full = {"num_drafts": 10.0, "num_draft_tokens": 30.0, "num_accepted_tokens": 12.0}
+    later = {"num_drafts": 14.0, "num_draft_tokens": 42.0, "num_accepted_tokens": 21.0}
+    partial = {"num_drafts": 10.0, "num_draft_tokens": 30.0}
+    assert round_fields(partial, later) == {} and round_fields(full, partial) == {}
+    assert round_fields(full | {"other": 1.0}, later) == {} and round_fields(full, later | {"other": 1.0}) == {}
+    assert round_fields(full, later) == {"spec_drafts": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 9,
+                                         "spec_acceptance_rate": 0.75, "spec_mean_accepted_length": 3.25}
+    one = round_fields(full, {"num_drafts": 11.0, "num_draft_tokens": 31.0, "num_accepted_tokens": 13.0})
+    assert (one["spec_acceptance_rate"], one["spec_mean_accepted_length"]) == (1.0, 2.0)  # one draft of one token
