@@ -417,7 +417,7 @@ def test_a_topk_module_and_config_without_the_optional_flags_are_rerouted(monkey
     fresh_state(monkeypatch)
     _topk_module_without_flags(monkeypatch)
     STATE.settings = settings_from_env({"OEA_K0": "2"})
-    cfg = topk_config()
+    cfg = topk_config(routed_scaling_factor=2.5)  # not folded: nothing says it is
     del cfg.allow_routed_experts_capture
     del cfg.apply_routed_scaling_factor_on_output
     kwargs = _call(0, cfg)
