@@ -184,12 +184,26 @@ def test_a_hook_is_looked_for_down_32_functions_of_a_chain_and_no_further() -> N
     assert not plugin_hooks.has_hook(_chain(32), _hook)  # the 33rd
 
 
-def test_a_wrapper_chain_that_loops_ends() -> None:
-    def looping(*args: Any) -> None:
-        return None
+class _Looping:
+    """A wrapper whose ``__wrapped__`` is itself (a cycle), counting the reads (and failing past 100, so a
+    ``has_hook`` that would loop for ever fails at once)."""
 
-    looping.__wrapped__ = looping  # type: ignore[attr-defined]
+    __closure__ = None
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @property
+    def __wrapped__(self) -> _Looping:
+        self.reads += 1
+        assert self.reads <= 100, "has_hook follows a looping chain for ever"
+        return self
+
+
+def test_a_wrapper_chain_that_loops_ends_after_32_functions() -> None:
+    looping = _Looping()
     assert not plugin_hooks.has_hook(looping, _hook)
+    assert looping.reads == 32
 
 
 def test_a_hook_behind_an_empty_closure_cell_is_found() -> None:
