@@ -450,3 +450,117 @@ def test_a_round_needs_all_three_counters_in_both_scrapes() -> None:
                                          "spec_acceptance_rate": 0.75, "spec_mean_accepted_length": 3.25}
     one = round_fields(full, {"num_drafts": 11.0, "num_draft_tokens": 31.0, "num_accepted_tokens": 13.0})
     assert (one["spec_acceptance_rate"], one["spec_mean_accepted_length"]) == (1.0, 2.0)  # one draft of one token
+
+
+# ---------------------------------------------------------------- prompts (``oea.bench.serve.prompts``)
+
+
+def test_random_prompts_have_the_lengths_and_token_ids_asked_for() -> None:
+    """Without ``range_ratio`` every prompt has exactly ``input_len`` token ids and ``max_tokens`` of
+    ``output_len``; with one, lengths span [len * ratio, len] (at least 1); ids lie in ``token_range``
+    (default [16, 4000))."""
+    from oea.bench.serve.prompts import RANDOM_TOKEN_RANGE, random_prompts
+
+    exact = random_prompts(20, 9, 4, seed=1)
+    assert len(exact) == 20 and all(len(p.prompt) == 9 and p.output_len == 4 for p in exact)
+    ids = [t for p in exact for t in p.prompt]
+    assert RANDOM_TOKEN_RANGE == (16, 4000) and min(ids) >= 16 and max(ids) < 4000 and len(set(ids)) > 100
+    assert {t for p in random_prompts(5, 6, 2, seed=0, token_range=(7, 8)) for t in p.prompt} == {7}
+    spread = random_prompts(300, 4, 6, seed=2, range_ratio=0.5)
+    assert {len(p.prompt) for p in spread} == {2, 3, 4} and {p.output_len for p in spread} == {3, 4, 5, 6}
+    tiny = random_prompts(50, 3, 1, seed=0, range_ratio=0.01)  # 3 * 0.01 rounds to 0: lengths from 1
+    assert {len(p.prompt) for p in tiny} == {1, 2, 3} and {p.output_len for p in tiny} == {1}
+    assert [len(p.prompt) for p in random_prompts(3, 1, 1, seed=0, range_ratio=1.0)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((0, 4, 1.0), "--random-input-len and --random-output-len must be >= 1, got 0, 4"),
+    ((4, 0, 1.0), "--random-input-len and --random-output-len must be >= 1, got 4, 0"),
+    ((4, 4, 0.0), "--random-range-ratio must be in (0, 1], got 0.0"),
+    ((4, 4, 1.5), "--random-range-ratio must be in (0, 1], got 1.5"),
+])
+def test_random_prompts_refuse_what_the_flags_cannot_mean(args: tuple[int, int, float], message: str) -> None:
+    from oea.bench.serve.prompts import random_prompts
+
+    input_len, output_len, ratio = args
+    with pytest.raises(ValueError) as refused:
+        random_prompts(1, input_len, output_len, seed=0, range_ratio=ratio)
+    assert str(refused.value) == message
+
+
+def test_text_prompts_are_windows_that_start_at_a_line_of_a_long_enough_document() -> None:
+    from oea.bench.serve.prompts import text_prompts
+
+    doc = "".join(f"line {i:03d} " + "x" * (i % 7) + "\n" for i in range(80))  # every line different
+    other = "".join(f"LINE {i:03d}\n" for i in range(80))
+    exactly = "y" * 25  # not longer than the window: never used
+    prompts = text_prompts(40, input_chars=25, output_len=3, seed=0, documents=[exactly, doc, other])
+    assert len(prompts) == 40 and all(p.output_len == 3 and len(p.prompt) == 25 for p in prompts)
+    sources = set()
+    for p in prompts:
+        source = doc if p.prompt.startswith("line ") else other
+        assert p.prompt.startswith(("line ", "LINE ")), p.prompt
+        start = source.index(p.prompt)
+        assert start == 0 or source[start - 1] == "\n"
+        sources.add(source)
+    assert sources == {doc, other} and len({p.prompt for p in prompts}) > 20, "windows from all over both"
+    assert text_prompts(1, 25, 1, seed=0, documents=[doc]) == text_prompts(1, 25, 1, seed=0, documents=[doc])
+    with pytest.raises(ValueError) as refused:
+        text_prompts(1, input_chars=25, output_len=3, seed=0, documents=[exactly])
+    assert str(refused.value) == "no held-out document is longer than --text-input-chars=25"
+    for chars, out in ((0, 3), (25, 0)):
+        with pytest.raises(ValueError) as refused:
+            text_prompts(1, input_chars=chars, output_len=out, seed=0, documents=[doc])
+        assert str(refused.value) == f"--text-input-chars and --random-output-len must be >= 1, got {chars}, {out}"
+
+
+def test_a_text_window_can_start_at_a_documents_first_character_and_is_never_cut_short() -> None:
+    """Windows start anywhere from the document's first character (here a newline: the window is that line) to the
+    last start that leaves ``input_chars`` characters; a one-character window is allowed."""
+    from oea.bench.serve.prompts import text_prompts
+
+    windows = {p.prompt for p in text_prompts(40, input_chars=1, output_len=1, seed=0, documents=["\nab"])}
+    assert windows == {"\n", "a"}  # starts 0 and 1; from 1 the line starts at "a"
+    lines = "a\nb\nc\nd\ne\n"
+    assert {p.prompt for p in text_prompts(40, input_chars=3, output_len=1, seed=0, documents=[lines])} == {
+        "a\nb", "b\nc", "c\nd", "d\ne"}  # the last start (6) leaves 3 characters: never "e\n"
+
+
+def test_make_prompts_hands_each_dataset_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from oea.bench.serve import prompts
+
+    assert prompts.make_prompts("random", 4, 3, 8, 5) == prompts.random_prompts(4, 8, 5, 3)
+    assert (prompts.make_prompts("random", 4, 3, 8, 5, range_ratio=0.5)
+            == prompts.random_prompts(4, 8, 5, 3, range_ratio=0.5))
+    doc = "".join(f"line {i:04d}\n" for i in range(200))
+    monkeypatch.setattr(prompts, "heldout_texts", lambda: [doc])
+    default = prompts.make_prompts("text", 3, 1, 8, 5)
+    assert default == prompts.text_prompts(3, 512, 5, 1, documents=[doc]) and len(default[0].prompt) == 512
+    assert prompts.make_prompts("text", 2, 1, 8, 5, input_chars=30) == prompts.text_prompts(2, 30, 5, 1, [doc])
+    with pytest.raises(ValueError) as refused:
+        prompts.make_prompts("sharegpt", 1, 0, 8, 5)
+    assert str(refused.value) == "--dataset must be one of ('random', 'text'), got 'sharegpt'"
+
+
+def test_heldout_texts_are_the_models_documents_else_the_stdlib_split(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import oea.models
+    import oea.models.data
+    from oea.bench.serve.prompts import heldout_texts
+
+    held, trained = tmp_path / "held.py", tmp_path / "trained.py"
+    held.write_text("held = 1\n")
+    trained.write_text("trained = 1\n")
+    files = [oea.models.data.StdlibFile("held.py", held), oea.models.data.StdlibFile("trained.py", trained)]
+    monkeypatch.setattr(oea.models.data, "stdlib_files", lambda: files)
+    monkeypatch.setattr(oea.models.data, "split_files", lambda found: (found[1:], found[:1]))
+    monkeypatch.setattr(oea.models, "heldout_documents", lambda: [("a.py", "a = 1\n"), ("b.py", "b = 2\n")])
+    assert heldout_texts() == ["a = 1\n", "b = 2\n"]
+    monkeypatch.setattr(oea.models, "heldout_documents", lambda: [])  # an empty list: the stdlib split
+    assert heldout_texts() == ["held = 1\n"]
+    for error in (FileNotFoundError("heldout_files.json"), ImportError("no model")):
+        def missing(error: Exception = error) -> list[tuple[str, str]]:
+            raise error
+
+        monkeypatch.setattr(oea.models, "heldout_documents", missing)
+        assert heldout_texts() == ["held = 1\n"]
