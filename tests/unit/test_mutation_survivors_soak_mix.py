@@ -1,0 +1,322 @@
+"""``oea soak``'s seeded request mix (``oea.soak.mix``) at the edges the generated mutants of ``make mutation``
+found unguarded (docs/testing.md, "Generated mutants"): what each share means (the draws below it), the fields of
+every kind of request (sampled, greedy, streamed, aborted at a planned chunk or after planned seconds, each
+refusal kind), the lengths at the model's edges and their errors, the exactness probe, and the concurrency
+schedule. Everything is seeded: no server, no timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from oea.soak import mix
+from oea.soak.mix import (
+    REFUSALS,
+    STOP_STRINGS,
+    TOKEN_RANGE,
+    MixShares,
+    make_mix,
+    make_request,
+    probe_requests,
+    ramp_levels,
+    schedule,
+)
+
+NONE = {"abort": 0.0, "refuse": 0.0, "stream": 0.0, "n_above_one": 0.0, "sampled": 0.0, "logprobs": 0.0,
+        "stop": 0.0, "one_token": 0.0, "full_length": 0.0}
+
+
+# -- the shares ------------------------------------------------------------------------------------------------------
+
+def test_each_share_is_a_fraction_named_by_its_flag() -> None:
+    MixShares(**NONE)
+    MixShares(**{**{k: 1.0 for k in NONE}, "abort": 1.0, "refuse": 0.0})
+    MixShares(**{**{k: 1 for k in NONE}, "abort": 0, "refuse": 1})  # integers are fractions too
+    MixShares(abort=0.5, refuse=0.5)  # exactly 1 in all
+    for name in NONE:
+        flag = name.replace("_", "-")
+        for bad in (1.5, -0.25, "0.3", None):
+            with pytest.raises(ValueError) as err:
+                MixShares(**{**NONE, name: bad})
+            assert str(err.value) == f"--{flag}-share must be in [0, 1], got {bad!r}"
+    with pytest.raises(ValueError) as err:
+        MixShares(abort=0.75, refuse=0.5)
+    assert str(err.value) == "--abort-share + --refuse-share must be at most 1, got 0.75 + 0.5"
+
+
+def test_a_plans_share_takes_exactly_the_draws_below_it() -> None:
+    # request 5 of seed 0 draws its plan first: a refuse share equal to that draw does not refuse it, the next
+    # double above does
+    draw = random.Random("0:5").random()
+    at = make_request(0, 5, "m", 64, MixShares(**{**NONE, "refuse": draw}))
+    assert at.plan == "complete"
+    assert make_request(0, 5, "m", 64, MixShares(**{**NONE, "refuse": math.nextafter(draw, 1)})).plan == "refuse"
+    assert make_request(0, 5, "m", 64, MixShares(**{**NONE, "abort": draw})).plan == "complete"
+    assert make_request(0, 5, "m", 64, MixShares(**{**NONE, "abort": math.nextafter(draw, 1)})).plan == "abort"
+
+
+class _Draws(random.Random):
+    """A generator whose every ``random()`` is ``value`` (integers still drawn from its seed)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+    def getrandbits(self, k: int) -> int:
+        return super().getrandbits(k)
+
+
+def _drawn(monkeypatch: pytest.MonkeyPatch, value: float, **shares: float) -> mix.SoakRequest:
+    """Request 0 of a 101-token model when every draw of its generator is ``value``."""
+    monkeypatch.setattr(mix, "random", SimpleNamespace(Random=lambda seed: _Draws(value)))
+    return make_request(0, 0, "m", 101, MixShares(**{**NONE, **shares}))
+
+
+def test_every_share_and_fixed_chance_takes_only_the_draws_below_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    even = dict(refuse=0.5, stream=0.5, sampled=0.5, logprobs=0.5, stop=0.5, one_token=0.5, full_length=0.5)
+    plain = _drawn(monkeypatch, 0.5, **even)
+    # prompt: int(e^(0.5 ln 101)) = 10 tokens; max_tokens: int(e^(0.5 ln 92)) = 9 (log-uniform in [1, 91])
+    assert (plain.plan, plain.refusal, plain.tags, plain.expected_tokens) == ("complete", None, (), None)
+    assert {k: v for k, v in plain.body.items() if k != "prompt"} == {
+        "model": "m", "max_tokens": 9, "ignore_eos": False, "temperature": 0.0}
+    assert plain.prompt_len == 10 and plain.abort_after is None and plain.abort_after_s is None
+
+    # above each share by a hair: that one feature is taken
+    hair = math.nextafter(0.5, 1)
+    assert _drawn(monkeypatch, 0.5, **{**even, "refuse": hair}).plan == "refuse"
+    assert _drawn(monkeypatch, 0.5, **even, abort=1e-9).plan == "abort"
+    full = _drawn(monkeypatch, 0.5, **{**even, "full_length": hair})
+    assert full.tags == ("full_length",) and full.prompt_len + full.body["max_tokens"] == 101
+    assert _drawn(monkeypatch, 0.5, **{**even, "one_token": hair}).body["max_tokens"] == 1
+    assert _drawn(monkeypatch, 0.5, **{**even, "one_token": 0.25}).body["max_tokens"] == 9
+    sampled = _drawn(monkeypatch, 0.5, **{**even, "sampled": hair})
+    assert sampled.tags == ("sampled",) and sampled.body["temperature"] == 0.85  # 0.5 + 0.7 x 0.5
+    assert _drawn(monkeypatch, 0.5, **{**even, "logprobs": hair}).body["logprobs"] in range(6)
+    assert _drawn(monkeypatch, 0.5, **{**even, "stop": hair}).body["stop"]
+    streamed = _drawn(monkeypatch, 0.5, **{**even, "stream": hair})
+    assert streamed.stream and streamed.body["stream_options"] == {"include_usage": True}
+    # ignore_eos at one chance in two: a draw of 0.5 keeps the end of sequence (above), one below ignores it
+    assert _drawn(monkeypatch, math.nextafter(0.5, 0)).body["ignore_eos"] is True
+
+    # n > 1 among the sampled requests: n_above_one / sampled of them
+    assert "n" not in _drawn(monkeypatch, 0.5, sampled=0.8, n_above_one=0.4).body  # 0.4 / 0.8 = the draw
+    assert _drawn(monkeypatch, 0.5, sampled=0.9, n_above_one=0.5).body["n"] in (2, 3, 4)  # 0.56 > the draw
+
+    # an aborted request streams with a chance of 0.8: a draw of 0.8 gives up after planned seconds
+    abort = _drawn(monkeypatch, 0.8, abort=0.9)
+    assert abort.plan == "abort" and not abort.stream and abort.abort_after is None
+    assert abort.abort_after_s == 0.804  # 0.02 + 0.98 x 0.8
+    streamed_abort = _drawn(monkeypatch, math.nextafter(0.8, 0), abort=0.9)
+    assert streamed_abort.stream and streamed_abort.abort_after_s is None
+    assert 0 <= streamed_abort.abort_after < streamed_abort.body["max_tokens"]
+
+
+# -- the requests of a realistic mix --------------------------------------------------------------------------------
+
+MIX = make_mix(0, 3000, "m", 512)
+
+
+def test_every_request_names_the_model_and_its_plan() -> None:
+    assert Counter(r.plan for r in MIX).keys() == {"complete", "abort", "refuse"}
+    assert all(r.body["model"] == "m" for r in MIX)
+    assert all("return_token_ids" not in r.body for r in MIX)
+    asked = make_mix(0, 50, "m", 512, token_ids=True)
+    assert all(r.body["return_token_ids"] is True for r in asked if r.plan != "refuse")
+    assert "return_token_ids" not in make_request(0, 3, "m", 512, MixShares()).body  # not asked by default
+
+
+def test_sampled_and_greedy_requests() -> None:
+    served = [r for r in MIX if r.plan != "refuse"]
+    assert {r.body["ignore_eos"] for r in served} == {True, False}
+    sampled = [r for r in served if "sampled" in r.tags]
+    greedy = [r for r in served if "sampled" not in r.tags]
+    assert sampled and greedy
+    assert all(r.body["temperature"] == 0.0 and "seed" not in r.body and "top_p" not in r.body for r in greedy)
+    temperatures = [r.body["temperature"] for r in sampled]
+    assert all(0.5 <= t <= 1.2 and t == round(t, 3) for t in temperatures)
+    assert min(temperatures) < 0.52 and max(temperatures) > 1.18 and len(set(temperatures)) > 100
+    seeds = [r.body["seed"] for r in sampled]
+    assert all(isinstance(s, int) and 0 <= s < 2**31 for s in seeds) and max(seeds) > 2**30
+    assert all(r.body["top_p"] == 0.95 for r in sampled)
+    assert {r.n for r in sampled} == {1, 2, 3, 4} and all(r.n == 1 and "n" not in r.body for r in greedy)
+    assert {r.body["logprobs"] for r in served if "logprobs" in r.body} == set(range(6))
+    stops = [r.body["stop"] for r in served if "stop" in r.body]
+    assert {len(s) for s in stops} == {1, 2}
+    assert all(len(set(s)) == len(s) and set(s) <= set(STOP_STRINGS) for s in stops)
+    assert all(r.tags in ((), ("sampled",), ("full_length",), ("full_length", "sampled")) for r in served)
+
+
+def test_streams_ask_for_usage_and_only_planned_requests_stream() -> None:
+    served = [r for r in MIX if r.plan != "refuse"]
+    for r in served:
+        if r.stream:
+            assert r.body["stream"] is True and r.body["stream_options"] == {"include_usage": True}
+        else:
+            assert "stream" not in r.body and "stream_options" not in r.body
+    assert all(not r.stream for r in MIX if r.plan == "refuse")
+    never = make_mix(0, 300, "m", 512, MixShares(stream=0.0))
+    assert not any(r.stream for r in never if r.plan == "complete")
+    always = make_mix(0, 300, "m", 512, MixShares(stream=1.0))
+    assert all(r.stream for r in always if r.plan == "complete")
+    aborts = [r for r in always if r.plan == "abort"]
+    assert 0.7 < sum(r.stream for r in aborts) / len(aborts) < 0.9  # aborts stream 4 times in 5 whatever the share
+
+
+def test_the_expected_length_is_max_tokens_only_when_nothing_stops_early() -> None:
+    for r in MIX:
+        if r.plan == "refuse":
+            assert r.expected_tokens is None
+        elif r.body["ignore_eos"] and "stop" not in r.body:
+            assert r.expected_tokens == r.body["max_tokens"]
+        else:
+            assert r.expected_tokens is None
+    assert Counter(r.expected_tokens is None for r in MIX if r.plan != "refuse").keys() == {True, False}
+
+
+def test_an_abort_happens_at_a_planned_chunk_before_the_last_or_after_planned_seconds() -> None:
+    for r in MIX:
+        if r.plan != "abort":
+            assert r.abort_after is None and r.abort_after_s is None
+    streamed = [r for r in MIX if r.plan == "abort" and r.stream]
+    assert all(r.abort_after_s is None and 0 <= r.abort_after < min(r.body["max_tokens"], 64) for r in streamed)
+    assert max(r.abort_after for r in streamed) == 63 and min(r.abort_after for r in streamed) == 0
+    assert any(r.abort_after == r.body["max_tokens"] - 1 for r in streamed if 1 < r.body["max_tokens"] < 64)
+    one_token = MixShares(abort=1.0, refuse=0.0, one_token=1.0, full_length=0.0)
+    one = [r for r in make_mix(0, 400, "m", 512, one_token) if r.stream]
+    assert one and all(r.body["max_tokens"] == 1 and r.abort_after == 0 for r in one)
+    seconds = [r.abort_after_s for r in MIX if r.plan == "abort" and not r.stream]
+    assert all(r.abort_after is None for r in MIX if r.plan == "abort" and not r.stream)
+    assert all(0.02 <= s <= 1.0 and s == round(s, 3) for s in seconds)
+    assert min(seconds) < 0.05 and max(seconds) > 0.95 and len(set(seconds)) > 100
+
+
+def test_each_refusal_kind() -> None:
+    refusals = make_mix(0, 3000, "m", 16, MixShares(abort=0.0, refuse=1.0))
+    by_kind = {kind: [r for r in refusals if r.refusal == kind] for kind in REFUSALS}
+    assert all(by_kind.values()) and sum(map(len, by_kind.values())) == 3000
+    for r in refusals:
+        assert r.plan == "refuse" and r.body["model"] == "m" and r.body["temperature"] == 0.0
+        assert r.tags == () and r.expected_tokens is None and not r.stream and "ignore_eos" not in r.body
+        assert all(TOKEN_RANGE[0] <= t < TOKEN_RANGE[1] for t in r.body["prompt"])
+    too_long = [r.prompt_len for r in by_kind["prompt_too_long"]]
+    assert min(too_long) == 17 and max(too_long) == 16 + 64
+    assert {r.body["max_tokens"] for r in by_kind["prompt_too_long"] + by_kind["malformed_json"]} == {8}
+    assert {r.body["max_tokens"] for r in by_kind["negative_max_tokens"]} == {-1, -2, -3, -4, -5}
+    short = [r.prompt_len for r in by_kind["negative_max_tokens"] + by_kind["malformed_json"]]
+    assert min(short) == 1 and max(short) == 16
+    for r in by_kind["prompt_too_long"] + by_kind["negative_max_tokens"]:
+        assert r.raw is None and r.payload() == json.dumps(r.body).encode()
+    cuts = []
+    for r in by_kind["malformed_json"]:
+        text = json.dumps(r.body).encode()
+        assert isinstance(r.raw, bytes) and text.startswith(r.raw) and r.payload() == r.raw
+        cuts.append((len(r.raw), len(text)))
+    assert min(cut for cut, _ in cuts) == 1 and any(cut == whole - 1 for cut, whole in cuts)
+
+
+# -- the lengths -----------------------------------------------------------------------------------------------------
+
+def test_the_smallest_model_gets_one_token_prompts_and_outputs() -> None:
+    for shares in (MixShares(refuse=0.0), MixShares(**{**NONE, "full_length": 1.0})):
+        for r in make_mix(0, 50, "m", 2, shares):
+            assert (r.prompt_len, r.body["max_tokens"]) == (1, 1)
+    full = make_mix(0, 200, "m", 8, MixShares(**{**NONE, "full_length": 1.0}))
+    assert all(r.tags == ("full_length",) and r.prompt_len + r.body["max_tokens"] == 8 for r in full)
+    assert {r.prompt_len for r in full} == set(range(1, 8))
+
+
+def test_prompts_and_outputs_stay_within_the_served_lengths() -> None:
+    for shares in (MixShares(refuse=0.0), MixShares(**{**NONE, "full_length": 1.0})):
+        served = make_mix(0, 400, "m", 64, shares, max_total_len=10)
+        assert all(1 <= r.prompt_len <= 9 and 1 <= r.body["max_tokens"] <= 10 - r.prompt_len for r in served)
+        assert max(r.prompt_len for r in served) == 9
+    served = make_mix(0, 400, "m", 8, MixShares(refuse=0.0))
+    assert {r.prompt_len for r in served} == set(range(1, 8)) and {r.body["max_tokens"] for r in served} == set(
+        range(1, 8))
+    capped = make_mix(0, 400, "m", 64, MixShares(refuse=0.0), max_prompt_len=5)
+    assert max(r.prompt_len for r in capped) == 5 and max(r.prompt_len + r.body["max_tokens"] for r in capped) == 64
+
+
+@pytest.mark.parametrize(("max_model_len", "prompt", "total"), [(1, None, None), (16, None, 17), (16, None, 1),
+                                                                 (16, 20, 1)])
+def test_lengths_nothing_can_be_served_in_are_refused(max_model_len: int, prompt: int | None,
+                                                      total: int | None) -> None:
+    with pytest.raises(ValueError) as err:
+        make_request(0, 0, "m", max_model_len, MixShares(), max_prompt_len=prompt, max_total_len=total)
+    assert str(err.value) == (f"max_model_len must be >= 2 (a prompt and one output token) and the served lengths "
+                              f"within it, got {max_model_len} (prompt {prompt}, total {total})")
+
+
+def test_log_uniform_draws_nothing_for_one_value_and_favours_short_lengths() -> None:
+    rng = random.Random(0)
+    state = rng.getstate()
+    assert mix._log_uniform(rng, 3, 3) == 3 and mix._log_uniform(rng, 3, 2) == 3
+    assert rng.getstate() == state
+    counts = Counter(mix._log_uniform(rng, 1, 3) for _ in range(3000))
+    # P(1) = ln 2 / ln 4 = 0.5, P(2) = ln 1.5 / ln 4 = 0.29, P(3) = ln(4/3) / ln 4 = 0.21
+    assert counts.keys() == {1, 2, 3}
+    for value, share in ((1, 0.5), (2, 0.2925), (3, 0.2075)):
+        assert abs(counts[value] / 3000 - share) < 0.03, counts
+
+
+def test_make_mix_is_make_request_of_each_index() -> None:
+    shares = MixShares(abort=0.2, refuse=0.2)
+    got = make_mix(5, 40, "model-x", 300, shares, first=7, token_ids=True, max_prompt_len=100, max_total_len=200)
+    assert got == [make_request(5, 7 + i, "model-x", 300, shares, True, 100, 200) for i in range(40)]
+    assert make_mix(5, 40, "model-x", 300) == [make_request(5, i, "model-x", 300, MixShares()) for i in range(40)]
+
+
+# -- the exactness probe ---------------------------------------------------------------------------------------------
+
+def test_the_probe_is_the_same_seeded_sampling_requests_in_every_arm() -> None:
+    probes = probe_requests("m")
+    assert probes == probe_requests("m") and len(probes) == 6
+    assert [(r.prompt_len, r.body["prompt"][0]) for r in probes] == [
+        (17, 119), (10, 433), (11, 2457), (42, 2497), (7, 3783), (33, 459)]
+    for i, r in enumerate(probes):
+        assert (r.index, r.plan, r.refusal, r.raw, r.expected_tokens, r.tags) == (-1 - i, "complete", None, None, 24,
+                                                                                ("probe",))
+        assert {k: v for k, v in r.body.items() if k != "prompt"} == {
+            "model": "m", "max_tokens": 24, "n": 4, "temperature": 0.9, "seed": 1000 + i, "logprobs": 2,
+            "ignore_eos": True}
+        assert 4 <= r.prompt_len <= 48 and all(TOKEN_RANGE[0] <= t < TOKEN_RANGE[1] for t in r.body["prompt"])
+        assert not r.stream and r.abort_after is None and r.abort_after_s is None
+    asked = probe_requests("x", count=2, token_ids=True)
+    assert [r.body for r in asked] == [{**r.body, "model": "x", "return_token_ids": True} for r in probes[:2]]
+    assert [r.prompt_len for r in probe_requests("m", count=40)][:6] == [r.prompt_len for r in probes]
+    lengths = [r.prompt_len for r in probe_requests("m", count=400)]
+    assert min(lengths) == 4 and max(lengths) == 48
+
+
+# -- the schedule ----------------------------------------------------------------------------------------------------
+
+def test_ramp_levels_end_at_the_maximum() -> None:
+    assert ramp_levels(1) == [1] and ramp_levels(2) == [1, 2] and ramp_levels(3) == [1, 2, 3]
+    assert ramp_levels(8) == [1, 2, 4, 8]
+    for bad in (0, -1):
+        with pytest.raises(ValueError) as err:
+            ramp_levels(bad)
+        assert str(err.value) == f"--max-concurrency must be >= 1, got {bad}"
+
+
+def _layout(phases: list[mix.Phase]) -> list[tuple[int, int, bool, float]]:
+    return [(len(p.requests), p.concurrency, p.burst, p.idle_s) for p in phases]
+
+
+def test_the_schedule_ramps_in_equal_parts_then_alternates_bursts_and_steady_blocks() -> None:
+    requests = make_mix(0, 100, "m", 64)
+    phases = schedule(requests, 4)
+    assert _layout(phases) == [(10, 1, False, 0.0), (10, 2, False, 0.0), (10, 4, False, 0.0)] + [
+        (4, 4, True, 1.5), (16, 4, False, 0.0)] * 3 + [(4, 4, True, 1.5), (6, 4, False, 0.0)]
+    assert [r for p in phases for r in p.requests] == requests
+    assert _layout(schedule(requests[:3], 32)) == [(3, 3, True, 1.5)]  # no ramp: an empty part is no phase
+    assert _layout(schedule(requests[:10], 8, ramp_share=0.5, burst_idle_s=0.25)) == [
+        (1, 1, False, 0.0), (1, 2, False, 0.0), (1, 4, False, 0.0), (2, 8, False, 0.0), (5, 5, True, 0.25)]
