@@ -6,15 +6,20 @@ schedule. Everything is seeded: no server, no timing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
 import random
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, ClassVar
 
+import httpx
 import pytest
 
-from oea.soak import mix
+from oea.soak import mix, monitor
 from oea.soak.mix import (
     REFUSALS,
     STOP_STRINGS,
@@ -25,6 +30,19 @@ from oea.soak.mix import (
     probe_requests,
     ramp_levels,
     schedule,
+)
+from oea.soak.monitor import (
+    NO_ANSWER,
+    UNREACHABLE,
+    Health,
+    ServerInfo,
+    SoakError,
+    check_loopback,
+    group_pids,
+    identify,
+    memory,
+    serving_limits,
+    watch_health,
 )
 
 NONE = {"abort": 0.0, "refuse": 0.0, "stream": 0.0, "n_above_one": 0.0, "sampled": 0.0, "logprobs": 0.0,
@@ -320,3 +338,298 @@ def test_the_schedule_ramps_in_equal_parts_then_alternates_bursts_and_steady_blo
     assert _layout(schedule(requests[:3], 32)) == [(3, 3, True, 1.5)]  # no ramp: an empty part is no phase
     assert _layout(schedule(requests[:10], 8, ramp_share=0.5, burst_idle_s=0.25)) == [
         (1, 1, False, 0.0), (1, 2, False, 0.0), (1, 4, False, 0.0), (2, 8, False, 0.0), (5, 5, True, 0.25)]
+
+
+# == oea.soak.monitor ================================================================================================
+# which engine answers (a stand-in httpx.get), the health poller (a stand-in httpx.AsyncClient and clock), and the
+# memory of every process of a group (a stand-in /proc tree)
+
+def test_only_http_on_a_loopback_address_is_soaked() -> None:
+    assert check_loopback("http://127.0.0.1:8000//") == "http://127.0.0.1:8000"
+    assert check_loopback("https://localhost:1/") == "https://localhost:1"
+    assert check_loopback("http://LOCALHOST:1") == "http://LOCALHOST:1"
+    assert check_loopback("http://127.0.0.2:1") == "http://127.0.0.2:1" and check_loopback("http://[::1]:2")
+    for url in ("ftp://127.0.0.1:1", "http://", "127.0.0.1:8000", "http://:80"):
+        with pytest.raises(SoakError) as err:
+            check_loopback(url)
+        assert str(err.value) == f"--base-url must be http://127.0.0.1:PORT (a loopback server), got {url!r}"
+    for url, host in (("http://10.1.2.3:8000", "10.1.2.3"), ("https://example.com/", "example.com"),
+                      ("http://[::2]:1", "::2"), ("http://localhost.example:1", "localhost.example")):
+        with pytest.raises(SoakError) as err:
+            check_loopback(url)
+        assert str(err.value) == ("--base-url must name a loopback address (127.0.0.1, ::1, localhost): the soak "
+                                  f"sends malformed and aborted requests and runs only against a local server, got "
+                                  f"{host!r}")
+
+
+def test_the_served_lengths_of_each_engine() -> None:
+    assert serving_limits("vllm", 512, {"max_req_input_len": 100}) == (511, 512)
+    assert serving_limits("sglang", 512, {"max_req_input_len": 506}) == (505, 510)
+    assert serving_limits("sglang", 512, {"max_req_input_len": 2}) == (1, 6)
+    for unusable in (None, {}, {"max_req_input_len": 1}, {"max_req_input_len": True}, {"max_req_input_len": "300"},
+                     {"max_req_input_len": 300.0}):
+        assert serving_limits("sglang", 512, unusable) == (505, 510), unusable  # from the context length
+    assert serving_limits("sglang", 4, {"max_req_input_len": 506}) == (3, 4)  # never beyond the model length
+    assert serving_limits("sglang", 2, None) == (1, 2)
+    info = ServerInfo("u", "vllm", "m", 512)
+    assert (info.prompt_limit, info.total_limit) == (511, 512)
+    assert (ServerInfo("u", "sglang", "m", 512, max_prompt_len=300, max_total_len=400).prompt_limit,
+            ServerInfo("u", "sglang", "m", 512, max_prompt_len=300, max_total_len=400).total_limit) == (300, 400)
+
+
+class _Answer:
+    def __init__(self, status: int, body: Any = None, text: str = "") -> None:
+        self.status_code, self.body, self.text = status, body, text
+
+    def json(self) -> Any:
+        if isinstance(self.body, Exception):
+            raise self.body
+        return self.body
+
+
+def _serve(monkeypatch: pytest.MonkeyPatch, answers: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``httpx.get`` answering ``answers[path]`` (an ``_Answer`` or an exception to raise); the calls made."""
+    calls: list[tuple[str, Any, Any]] = []
+
+    def get(url: str, timeout: Any = None, trust_env: Any = True) -> _Answer:
+        calls.append((url, timeout, trust_env))
+        answer = answers.get(url.split(":8000", 1)[1], _Answer(404, ValueError("no"), "not found"))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(httpx, "get", get)
+    return calls
+
+
+def _models(**first: Any) -> _Answer:
+    return _Answer(200, {"object": "list", "data": [{"id": "m", "owned_by": "vllm", "max_model_len": 512, **first}]})
+
+
+def test_identify_asks_the_model_list_then_the_engines_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _serve(monkeypatch, {"/v1/models": _models(root="/models/m"), "/version": _Answer(200, {"version": "1"})})
+    assert identify("http://127.0.0.1:8000/", timeout=3.5) == ServerInfo(
+        "http://127.0.0.1:8000", "vllm", "m", 512, "1", "/models/m", 511, 512)
+    assert calls == [("http://127.0.0.1:8000/v1/models", 3.5, False), ("http://127.0.0.1:8000/version", 3.5, False)]
+    calls = _serve(monkeypatch, {"/v1/models": _models(owned_by="sglang", id=7, root=None, max_model_len=4096),
+                                 "/server_info": _Answer(200, {"version": 2, "max_req_input_len": 1018})})
+    assert identify("http://127.0.0.1:8000") == ServerInfo(
+        "http://127.0.0.1:8000", "sglang", "7", 4096, "2", "", 1017, 1022)
+    assert [url for url, _, _ in calls] == ["http://127.0.0.1:8000/v1/models", "http://127.0.0.1:8000/server_info"]
+    assert {(timeout, trust_env) for _, timeout, trust_env in calls} == {(10.0, False)}
+
+
+def test_an_engine_that_does_not_say_its_version_is_still_identified(monkeypatch: pytest.MonkeyPatch) -> None:
+    for about in (_Answer(500, {"version": "1"}), _Answer(200, ValueError("not json")), _Answer(200, ["1"]),
+                  httpx.ConnectError("refused"), None):
+        answers = {"/v1/models": _models(owned_by="sglang")}
+        if about is not None:
+            answers["/server_info"] = about
+        _serve(monkeypatch, answers)
+        info = identify("http://127.0.0.1:8000")
+        assert (info.version, info.max_prompt_len, info.max_total_len) == ("", 505, 510), about
+
+
+URL = "http://127.0.0.1:8000/v1/models"
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    (httpx.ConnectError("refused"), f"cannot reach {URL}: ConnectError: refused"),
+    (httpx.ReadTimeout("slow"), f"cannot reach {URL}: ReadTimeout: slow"),
+    (_Answer(404, {"data": [{"id": "m"}]}, "x" * 200),
+     f"{URL} answered HTTP 404 without a model list: not a vLLM or SGLang OpenAI server ({'x' * 120!r})"),
+    (_Answer(200, ValueError("bad"), "<html>"),
+     f"{URL} answered HTTP 200 without a model list: not a vLLM or SGLang OpenAI server ('<html>')"),
+    (_Answer(200, ["m"], "[]"), f"{URL} answered HTTP 200 without a model list: not a vLLM or SGLang OpenAI server "
+                                "('[]')"),
+    (_Answer(200, {"data": []}, "e"), f"{URL} answered HTTP 200 without a model list: not a vLLM or SGLang OpenAI "
+                                      "server ('e')"),
+    (_Answer(200, {"data": {"id": "m"}}, "d"), f"{URL} answered HTTP 200 without a model list: not a vLLM or "
+                                               "SGLang OpenAI server ('d')"),
+    (_Answer(200, {"data": ["m"]}, "s"), f"{URL} answered HTTP 200 without a model list: not a vLLM or SGLang "
+                                         "OpenAI server ('s')"),
+    (_models(owned_by="openai"), f"{URL}: the server is not vLLM or SGLang (owned_by 'openai'); oea soak knows only "
+                                 "vllm, sglang"),
+    (_models(owned_by=None), f"{URL}: the server is not vLLM or SGLang (owned_by 'None'); oea soak knows only "
+                             "vllm, sglang"),
+    (_models(max_model_len=None), f"{URL}: no max_model_len in the model list (got None); start the server with "
+                                  "--max-model-len (vLLM) / --context-length (SGLang)"),
+    (_models(max_model_len=1), f"{URL}: no max_model_len in the model list (got 1); start the server with "
+                               "--max-model-len (vLLM) / --context-length (SGLang)"),
+    (_models(max_model_len="512"), f"{URL}: no max_model_len in the model list (got '512'); start the server "
+                                   "with --max-model-len (vLLM) / --context-length (SGLang)"),
+])
+def test_identify_refuses_what_is_not_a_vllm_or_sglang_server(monkeypatch: pytest.MonkeyPatch, answer: Any,
+                                                              message: str) -> None:
+    calls = _serve(monkeypatch, {"/v1/models": answer, "/version": _Answer(200, {"version": "1"})})
+    with pytest.raises(SoakError) as err:
+        identify("http://127.0.0.1:8000")
+    assert str(err.value) == message
+    assert [url for url, _, _ in calls] == [URL], "nothing else asked"
+    _serve(monkeypatch, {"/v1/models": _models(owned_by=None), "/version": _Answer(200, {})})
+    with pytest.raises(SoakError):
+        identify("http://127.0.0.1:8000")
+    _serve(monkeypatch, {"/v1/models": _models(max_model_len=2), "/version": _Answer(200, {})})
+    assert identify("http://127.0.0.1:8000").max_model_len == 2
+
+
+def test_the_health_summary() -> None:
+    samples = [(0.0, 200, 5.0), (1.0, NO_ANSWER, 10_000.0), (12.0, 503, 3.0), (13.0, UNREACHABLE, 1.0),
+               (14.0, 200, 7.36), (15.0, 200, 2.0), (16.0, 200, 4.04)]
+    assert Health(samples).summary() == {
+        "samples": 7, "unhealthy": 2, "no_answer": 1, "longest_silence_s": 11.0, "first_unhealthy_s": 12.0,
+        "first_unhealthy_status": 503, "max_latency_ms": 7.4, "median_latency_ms": 5.0}
+    assert Health([(0.25, NO_ANSWER, 10_000.0)]).summary() == {
+        "samples": 1, "unhealthy": 0, "no_answer": 1, "longest_silence_s": 10.0, "first_unhealthy_s": None,
+        "first_unhealthy_status": None, "max_latency_ms": None, "median_latency_ms": None}
+    assert Health([(2.26, UNREACHABLE, 1.0), (3.0, 500, 1.0)]).summary()["first_unhealthy_s"] == 2.3
+    assert Health().summary()["samples"] == 0 and Health().samples == [] and Health().samples is not Health().samples
+
+
+def test_the_longest_silence_runs_from_the_first_unanswered_request_to_the_next_answers_end() -> None:
+    assert Health([(0.0, 200, 5.0)]).longest_silence_s() == 0.0
+    # two unanswered requests in a row: one silence from the first, to the end of the second (still none came)
+    assert Health([(1.0, NO_ANSWER, 10_000.0), (12.0, NO_ANSWER, 10_000.0)]).longest_silence_s() == 21.0
+    # ... and to the end of the next answer, whatever its status
+    assert Health([(1.0, NO_ANSWER, 10_000.0), (12.0, NO_ANSWER, 10_000.0), (23.0, 500, 500.0)]
+                  ).longest_silence_s() == 22.5
+    # two silences: the longer counts, each from its own first unanswered request
+    assert Health([(1.0, NO_ANSWER, 2_000.0), (4.0, 200, 1_000.0), (10.0, NO_ANSWER, 1_000.0), (11.5, 200, 0.0)]
+                  ).longest_silence_s() == 4.0
+    assert Health([(1.0, NO_ANSWER, 9_000.0), (10.0, 200, 1_000.0), (20.0, NO_ANSWER, 1_000.0), (21.5, 200, 0.0)]
+                  ).longest_silence_s() == 10.0
+
+
+class _Client:
+    """``httpx.AsyncClient``: each ``get`` answers the next of ``script`` (a status or an exception to raise)."""
+
+    made: ClassVar[list[dict[str, Any]]] = []
+    urls: ClassVar[list[str]] = []
+    script: ClassVar[list[Any]] = []
+    stop: asyncio.Event
+
+    def __init__(self, **kwargs: Any) -> None:
+        type(self).made.append(kwargs)
+
+    async def __aenter__(self) -> _Client:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    async def get(self, url: str) -> Any:
+        self.urls.append(url)
+        answer = self.script.pop(0)
+        if not self.script:
+            self.stop.set()
+        if isinstance(answer, Exception):
+            raise answer
+        return SimpleNamespace(status_code=answer)
+
+
+def test_the_health_poller_records_each_answer_when_it_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([100.0, 101.0, 101.25, 102.0, 112.0, 113.0, 113.002, 114.0, 114.5])
+    monkeypatch.setattr(monitor, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(httpx, "AsyncClient", _Client)
+    _Client.made, _Client.urls = [], []
+    _Client.script = [200, httpx.ReadTimeout("slow"), httpx.ConnectError("refused"), 503]
+    health = Health()
+
+    async def poll() -> None:
+        _Client.stop = asyncio.Event()
+        await watch_health("http://127.0.0.1:8000", health, _Client.stop, interval_s=0.0, timeout_s=2.5)
+
+    asyncio.run(poll())
+    assert health.samples == [(1.0, 200, 250.0), (2.0, NO_ANSWER, 10_000.0), (pytest.approx(13.0), UNREACHABLE,
+                                                                            pytest.approx(2.0)), (14.0, 503, 500.0)]
+    assert _Client.urls == ["http://127.0.0.1:8000/health"] * 4
+    (made,) = _Client.made
+    assert made["trust_env"] is False and made["timeout"] == 2.5 and made["limits"].max_keepalive_connections == 0
+
+    stopped = asyncio.Event()
+    stopped.set()
+    _Client.made = []
+    monkeypatch.setattr(monitor, "time", SimpleNamespace(monotonic=lambda: 0.0))
+    asyncio.run(watch_health("http://127.0.0.1:8000", health, stopped))  # stopped before it began: asks nothing
+    assert len(health.samples) == 4 and _Client.made[0]["timeout"] == monitor.HEALTH_TIMEOUT_S
+
+
+def _proc(root: Path, pid: str, stat: str | None = None, status: str | None = None, rollup: str | None = None,
+          cmdline: bytes | None = None) -> None:
+    folder = root / "proc" / pid
+    folder.mkdir(parents=True)
+    for name, text in (("stat", stat), ("status", status), ("smaps_rollup", rollup)):
+        if text is not None:
+            (folder / name).write_text(text)
+    if cmdline is not None:
+        (folder / "cmdline").write_bytes(cmdline)
+
+
+def _stat(comm: str, state: str, pgrp: int) -> str:
+    return f"1 ({comm}) {state} 1 {pgrp} {pgrp} 0 -1 4194560 100 0 0 0\n"
+
+
+STATUS = ("Name:\tx\nUmask:\t0022\nVmPeak:\t  9999 kB\nVmRSS:\t  {rss} kB\nRssAnon:\t  {anon} kB\n"
+          "RssFile:\t  {file} kB\n")
+
+
+@pytest.fixture
+def proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in /proc under ``tmp_path``: monitor's ``open`` and ``os.listdir`` read it."""
+    real_open, real_listdir = open, os.listdir
+    order: list[str] = []
+
+    def listdir(path: str) -> list[str]:
+        assert path == "/proc"
+        found = real_listdir(tmp_path / "proc")
+        return sorted(found, key=lambda e: order.index(e) if e in order else -1)
+
+    monkeypatch.setattr(monitor, "open", lambda path, *a, **k: real_open(tmp_path / str(path).lstrip("/"), *a, **k),
+                        raising=False)
+    monkeypatch.setattr(monitor, "os", SimpleNamespace(listdir=listdir, path=os.path))
+    monkeypatch.setattr(monitor, "time", SimpleNamespace(time=lambda: 1234.5))
+    (tmp_path / "proc").mkdir()
+    _proc(tmp_path, "self", stat=_stat("python", "R", 7))  # not a process id
+    _proc(tmp_path, "1", stat=_stat("api server", "S", 7), rollup="Rss: 3072 kB\nPss:   2000 kB\nPss_Anon: 5 kB\n",
+          status=STATUS.format(rss=3072, anon=2048, file=1000) + "RssShmem:\t  24 kB\nThreads:\t4\n",
+          cmdline=b"/usr/bin/python3\0-m\0vllm\0")
+    _proc(tmp_path, "10", stat=_stat("a) b (c", "S", 7), status=STATUS.format(rss=1000, anon=600, file=400),
+          cmdline=b"VLLM::Worker\0")  # no smaps_rollup: no PSS; no RssShmem line
+    _proc(tmp_path, "12", stat=_stat("kthread", "S", 7), status="Name:\tk\nThreads:\t1\n", cmdline=b"")  # no VmRSS
+    _proc(tmp_path, "2", stat=_stat("gone", "Z", 7), status=STATUS.format(rss=1, anon=1, file=0))  # a zombie
+    _proc(tmp_path, "3", stat=_stat("other", "S", 8), status=STATUS.format(rss=1, anon=1, file=0))  # another group
+    _proc(tmp_path, "4")  # ended while listed
+    _proc(tmp_path, "9", stat=_stat("x", "S", 17), status=STATUS.format(rss=1, anon=1, file=0))  # group 17 != 7
+    _proc(tmp_path, "5", stat=_stat("w", "S", 7), status="VmRSS:\t  abc kB\n", cmdline=b"w\0")  # unreadable RSS
+    order.extend(["12", "self", "10", "3", "2", "4", "9", "5", "1"])
+    return tmp_path
+
+
+def test_the_groups_live_processes_are_every_process_of_that_group(proc: Path) -> None:
+    assert group_pids(7) == [1, 5, 10, 12]
+    assert group_pids(8) == [3] and group_pids(17) == [9] and group_pids(1) == []
+
+
+def test_memory_sums_every_process_of_the_group(proc: Path) -> None:
+    assert memory(7) == {
+        "time": 1234.5, "rss_mib": 4.0, "pss_mib": 2.0, "anon_mib": 2.6, "file_mib": 1.4, "shmem_mib": 0.0,
+        "processes": [
+            {"pid": 1, "name": "python3", "rss_mib": 3.0, "pss_mib": 2.0, "anon_mib": 2.0, "file_mib": 1.0,
+             "shmem_mib": 0.0},
+            {"pid": 10, "name": "VLLM::Worker", "rss_mib": 1.0, "pss_mib": None, "anon_mib": 0.6, "file_mib": 0.4}]}
+    assert memory(8)["processes"][0]["name"] == "?"  # no cmdline
+    assert memory(99) == {"time": 1234.5, "rss_mib": 0.0, "pss_mib": 0.0, "anon_mib": 0.0, "file_mib": 0.0,
+                          "shmem_mib": 0.0, "processes": []}
+
+
+def test_kib_reads_the_asked_fields_of_a_proc_file(tmp_path: Path) -> None:
+    path = tmp_path / "status"
+    path.write_text("Name:\tx\nVmRSS:\t  2048 kB\nno colon here\nVmRSSx:\t  1 kB\nRssAnon: 7 kB\n")
+    assert monitor._kib(str(path), "VmRSS", "RssAnon") == {"VmRSS": 2048, "RssAnon": 7}
+    assert monitor._kib(str(path), "VmRSS") == {"VmRSS": 2048}
+    assert monitor._kib(str(tmp_path / "none"), "VmRSS") == {}
+    path.write_text("VmRSS:\t  2048 kB\nRssAnon:\n")
+    assert monitor._kib(str(path), "VmRSS", "RssAnon") == {}  # a malformed file is not read in part
+    path.write_text("VmRSS:\t  20x kB\n")
+    assert monitor._kib(str(path), "VmRSS") == {}
+    assert [monitor._mib(k) for k in (1024, 1000, 1126, 0)] == [1.0, 1.0, 1.1, 0.0]
