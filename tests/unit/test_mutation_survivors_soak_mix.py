@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from oea.soak import mix, monitor
+from oea.soak import mix, monitor, report
+from oea.soak.checks import memory_bound_mib
 from oea.soak.mix import (
     REFUSALS,
     STOP_STRINGS,
@@ -633,3 +634,79 @@ def test_kib_reads_the_asked_fields_of_a_proc_file(tmp_path: Path) -> None:
     path.write_text("VmRSS:\t  20x kB\n")
     assert monitor._kib(str(path), "VmRSS") == {}
     assert [monitor._mib(k) for k in (1024, 1000, 1126, 0)] == [1.0, 1.0, 1.1, 0.0]
+
+
+# == oea.soak.report =================================================================================================
+# what `oea soak` prints at its end (the CLI prints it in its own process: here called directly)
+
+def _arm(**changes: Any) -> dict[str, Any]:
+    arm = {"server": {"engine": "vllm", "version": "0.11"}, "sent": 10, "completed": 5, "refused": 2,
+           "refused_by_status": {"prompt_too_long 400": 1, "malformed_json 400": 1}, "aborted": 3, "failed": 4,
+           "unsent": 1, "rss_growth_mib": 12.34, "rss_after_warmup_mib": 1000.4, "rss_end_mib": 1012.6,
+           "health": {"samples": 5, "unhealthy": 1}, "soak_s": 61.6}
+    arm.update(changes)
+    return arm
+
+
+RESULT = {"arms": {"off": _arm(), "oea": _arm(server={"engine": "sglang", "version": "0.5"}, refused_by_status={},
+                                              rss_growth_mib=None, sent=0, completed=0, refused=0, aborted=0,
+                                              failed=0, unsent=0, health={"samples": 0, "unhealthy": 0},
+                                              soak_s=0.4)},
+          "checks": [{"name": "off: no failed requests", "held": True, "detail": "fine"},
+                     {"name": "oea: memory", "held": False, "detail": "grew"},
+                     {"name": "oea: growth against off", "held": False, "detail": "d", "verdict": False},
+                     {"name": "oea: counted", "held": False, "detail": "e", "verdict": True}]}
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """The printed tables: each a list of rows (the header first), each row its cells as printed (padding kept)."""
+    tables: list[list[list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith("┏"):
+            tables.append([])
+        elif line.startswith(("┃", "│")):
+            tables[-1].append(line.replace("┃", "│").split("│")[1:-1])
+    return tables
+
+
+def test_the_result_is_one_row_per_arm_then_the_checks(capsys: pytest.CaptureFixture) -> None:
+    report.print_result(RESULT)
+    out = capsys.readouterr().out
+    assert "oea soak: requests per arm" in out and "what must hold" in out
+    arms, checks = _tables(out)
+    header, *rows = arms
+    assert [c.strip() for c in header] == [
+        "arm", "engine", "sent", "completed", "refused (status)", "aborted", "failed", "unsent",
+        "RSS after warm-up -> end (MiB)", "growth / bound", "health", "time (s)"]
+    bound = memory_bound_mib(1000.4)  # 84.0 MiB
+    assert [[c.strip() for c in row] for row in rows] == [
+        ["off", "vllm 0.11", "10", "5", "2 (malformed_json 400: 1, prompt_too_long 400: 1)", "3", "4", "1",
+         "1000 -> 1013", f"+12.3 / {bound:.0f}", "4/5 ok", "62"],
+        ["oea", "sglang 0.5", "0", "0", "0 (-)", "0", "0", "0", "-", "-", "0/0 ok", "0"]]
+    for row in rows:  # arm, engine and refusals to the left, the numbers to the right
+        for column, cell in enumerate(row):
+            text = cell.strip()
+            assert cell == (f" {text:<{len(cell) - 2}} " if column in (0, 1, 4) else f" {text:>{len(cell) - 2}} ")
+    assert [[c.strip() for c in row] for row in checks] == [
+        ["check", "held", "seen"], ["off: no failed requests", "yes", "fine"], ["oea: memory", "NO", "grew"],
+        ["oea: growth against off", "no (reported)", "d"], ["oea: counted", "NO", "e"]]
+    for row in checks:
+        assert all(cell == f" {cell.strip():<{len(cell) - 2}} " for cell in row)
+
+
+def test_a_failed_verdict_is_printed_in_bold_red(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    import oea.console
+
+    consoles: list[Console] = []
+
+    def terminal() -> Console:
+        consoles.append(Console(force_terminal=True, color_system="standard", width=220, record=True))
+        return consoles[-1]
+
+    monkeypatch.setattr(oea.console, "wide_console", terminal)
+    report.print_result(RESULT)
+    out = consoles[0].export_text(styles=True)
+    assert out.count("\x1b[1;31mNO\x1b[0m") == 2 and "\x1b[1;31mno (reported)" not in out
+    assert out.count("\x1b[1;31m") == 2
