@@ -1,8 +1,11 @@
-"""``oea soak``'s seeded request mix (``oea.soak.mix``) at the edges the generated mutants of ``make mutation``
-found unguarded (docs/testing.md, "Generated mutants"): what each share means (the draws below it), the fields of
-every kind of request (sampled, greedy, streamed, aborted at a planned chunk or after planned seconds, each
-refusal kind), the lengths at the model's edges and their errors, the exactness probe, and the concurrency
-schedule. Everything is seeded: no server, no timing."""
+"""``oea soak``'s seeded request mix (``oea.soak.mix``), what it watches (``oea.soak.monitor``) and what it prints
+(``oea.soak.report``) at the edges the generated mutants of ``make mutation`` found unguarded (docs/testing.md,
+"Generated mutants"). The mix: what each share means (the draws below it), the fields of every kind of request
+(sampled, greedy, streamed, aborted at a planned chunk or after planned seconds, each refusal kind), the lengths
+at the model's edges and their errors, the exactness probe, and the concurrency schedule. The monitor: loopback
+URLs, each engine's served lengths, ``identify``'s requests and refusals (a stand-in ``httpx.get``), the health
+summary and poller (a stand-in client and clock), and the memory of every process of a group (a stand-in /proc).
+The report: both tables, cell by cell. Everything is seeded or scripted: no server, no timing, no network."""
 
 from __future__ import annotations
 
@@ -592,7 +595,7 @@ def proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "proc").mkdir()
     _proc(tmp_path, "self", stat=_stat("python", "R", 7))  # not a process id
     _proc(tmp_path, "1", stat=_stat("api server", "S", 7), rollup="Rss: 3072 kB\nPss:   2000 kB\nPss_Anon: 5 kB\n",
-          status=STATUS.format(rss=3072, anon=2048, file=1000) + "RssShmem:\t  24 kB\nThreads:\t4\n",
+          status=STATUS.format(rss=3072, anon=2048, file=1000) + "RssShmem:\t  512 kB\nThreads:\t4\n",
           cmdline=b"/usr/bin/python3\0-m\0vllm\0")
     _proc(tmp_path, "10", stat=_stat("a) b (c", "S", 7), status=STATUS.format(rss=1000, anon=600, file=400),
           cmdline=b"VLLM::Worker\0")  # no smaps_rollup: no PSS; no RssShmem line
@@ -613,10 +616,10 @@ def test_the_groups_live_processes_are_every_process_of_that_group(proc: Path) -
 
 def test_memory_sums_every_process_of_the_group(proc: Path) -> None:
     assert memory(7) == {
-        "time": 1234.5, "rss_mib": 4.0, "pss_mib": 2.0, "anon_mib": 2.6, "file_mib": 1.4, "shmem_mib": 0.0,
+        "time": 1234.5, "rss_mib": 4.0, "pss_mib": 2.0, "anon_mib": 2.6, "file_mib": 1.4, "shmem_mib": 0.5,
         "processes": [
             {"pid": 1, "name": "python3", "rss_mib": 3.0, "pss_mib": 2.0, "anon_mib": 2.0, "file_mib": 1.0,
-             "shmem_mib": 0.0},
+             "shmem_mib": 0.5},
             {"pid": 10, "name": "VLLM::Worker", "rss_mib": 1.0, "pss_mib": None, "anon_mib": 0.6, "file_mib": 0.4}]}
     assert memory(8)["processes"][0]["name"] == "?"  # no cmdline
     assert memory(99) == {"time": 1234.5, "rss_mib": 0.0, "pss_mib": 0.0, "anon_mib": 0.0, "file_mib": 0.0,
