@@ -143,20 +143,24 @@ def test_every_share_and_fixed_chance_takes_only_the_draws_below_it(monkeypatch:
 
 # -- the requests of a realistic mix --------------------------------------------------------------------------------
 
-MIX = make_mix(0, 3000, "m", 512)
+def _realistic() -> list[mix.SoakRequest]:
+    """3000 requests of the default mix (made in each test, not at import: the mutants run after import)."""
+    return make_mix(0, 3000, "m", 512)
 
 
 def test_every_request_names_the_model_and_its_plan() -> None:
-    assert Counter(r.plan for r in MIX).keys() == {"complete", "abort", "refuse"}
-    assert all(r.body["model"] == "m" for r in MIX)
-    assert all("return_token_ids" not in r.body for r in MIX)
+    mixed = _realistic()
+    assert Counter(r.plan for r in mixed).keys() == {"complete", "abort", "refuse"}
+    assert all(r.body["model"] == "m" for r in mixed)
+    assert all("return_token_ids" not in r.body for r in mixed)
     asked = make_mix(0, 50, "m", 512, token_ids=True)
     assert all(r.body["return_token_ids"] is True for r in asked if r.plan != "refuse")
     assert "return_token_ids" not in make_request(0, 3, "m", 512, MixShares()).body  # not asked by default
 
 
 def test_sampled_and_greedy_requests() -> None:
-    served = [r for r in MIX if r.plan != "refuse"]
+    mixed = _realistic()
+    served = [r for r in mixed if r.plan != "refuse"]
     assert {r.body["ignore_eos"] for r in served} == {True, False}
     sampled = [r for r in served if "sampled" in r.tags]
     greedy = [r for r in served if "sampled" not in r.tags]
@@ -177,13 +181,14 @@ def test_sampled_and_greedy_requests() -> None:
 
 
 def test_streams_ask_for_usage_and_only_planned_requests_stream() -> None:
-    served = [r for r in MIX if r.plan != "refuse"]
+    mixed = _realistic()
+    served = [r for r in mixed if r.plan != "refuse"]
     for r in served:
         if r.stream:
             assert r.body["stream"] is True and r.body["stream_options"] == {"include_usage": True}
         else:
             assert "stream" not in r.body and "stream_options" not in r.body
-    assert all(not r.stream for r in MIX if r.plan == "refuse")
+    assert all(not r.stream for r in mixed if r.plan == "refuse")
     never = make_mix(0, 300, "m", 512, MixShares(stream=0.0))
     assert not any(r.stream for r in never if r.plan == "complete")
     always = make_mix(0, 300, "m", 512, MixShares(stream=1.0))
@@ -193,29 +198,31 @@ def test_streams_ask_for_usage_and_only_planned_requests_stream() -> None:
 
 
 def test_the_expected_length_is_max_tokens_only_when_nothing_stops_early() -> None:
-    for r in MIX:
+    mixed = _realistic()
+    for r in mixed:
         if r.plan == "refuse":
             assert r.expected_tokens is None
         elif r.body["ignore_eos"] and "stop" not in r.body:
             assert r.expected_tokens == r.body["max_tokens"]
         else:
             assert r.expected_tokens is None
-    assert Counter(r.expected_tokens is None for r in MIX if r.plan != "refuse").keys() == {True, False}
+    assert Counter(r.expected_tokens is None for r in mixed if r.plan != "refuse").keys() == {True, False}
 
 
 def test_an_abort_happens_at_a_planned_chunk_before_the_last_or_after_planned_seconds() -> None:
-    for r in MIX:
+    mixed = _realistic()
+    for r in mixed:
         if r.plan != "abort":
             assert r.abort_after is None and r.abort_after_s is None
-    streamed = [r for r in MIX if r.plan == "abort" and r.stream]
+    streamed = [r for r in mixed if r.plan == "abort" and r.stream]
     assert all(r.abort_after_s is None and 0 <= r.abort_after < min(r.body["max_tokens"], 64) for r in streamed)
     assert max(r.abort_after for r in streamed) == 63 and min(r.abort_after for r in streamed) == 0
     assert any(r.abort_after == r.body["max_tokens"] - 1 for r in streamed if 1 < r.body["max_tokens"] < 64)
     one_token = MixShares(abort=1.0, refuse=0.0, one_token=1.0, full_length=0.0)
     one = [r for r in make_mix(0, 400, "m", 512, one_token) if r.stream]
     assert one and all(r.body["max_tokens"] == 1 and r.abort_after == 0 for r in one)
-    seconds = [r.abort_after_s for r in MIX if r.plan == "abort" and not r.stream]
-    assert all(r.abort_after is None for r in MIX if r.plan == "abort" and not r.stream)
+    seconds = [r.abort_after_s for r in mixed if r.plan == "abort" and not r.stream]
+    assert all(r.abort_after is None for r in mixed if r.plan == "abort" and not r.stream)
     assert all(0.02 <= s <= 1.0 and s == round(s, 3) for s in seconds)
     assert min(seconds) < 0.05 and max(seconds) > 0.95 and len(set(seconds)) > 100
 
