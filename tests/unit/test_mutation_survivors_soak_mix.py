@@ -218,6 +218,9 @@ def test_an_abort_happens_at_a_planned_chunk_before_the_last_or_after_planned_se
     assert all(r.abort_after_s is None and 0 <= r.abort_after < min(r.body["max_tokens"], 64) for r in streamed)
     assert max(r.abort_after for r in streamed) == 63 and min(r.abort_after for r in streamed) == 0
     assert any(r.abort_after == r.body["max_tokens"] - 1 for r in streamed if 1 < r.body["max_tokens"] < 64)
+    long = [r for r in make_mix(0, 1000, "m", 512, MixShares(abort=1.0, refuse=0.0, full_length=1.0)) if r.stream]
+    assert sum(r.body["max_tokens"] > 64 for r in long) > 500  # each a chance in 64 of the last chunk before 64
+    assert max(r.abort_after for r in long) == 63
     one_token = MixShares(abort=1.0, refuse=0.0, one_token=1.0, full_length=0.0)
     one = [r for r in make_mix(0, 400, "m", 512, one_token) if r.stream]
     assert one and all(r.body["max_tokens"] == 1 and r.abort_after == 0 for r in one)
