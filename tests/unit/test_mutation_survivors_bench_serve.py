@@ -564,3 +564,10 @@ def test_heldout_texts_are_the_models_documents_else_the_stdlib_split(
 
         monkeypatch.setattr(oea.models, "heldout_documents", missing)
         assert heldout_texts() == ["held = 1\n"]
+
+
+def test_the_ab_tables_title_names_the_baseline_of_its_first_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A summary put together by hand from two A/B runs (their own baselines): the title names the first entry's
+    baseline, the one ``ab_summary`` writes into every entry of one run."""
+    summary = [_entry("off", **_FIGURES), _entry("k3", baseline="k5", **_FIGURES)]
+    assert "ratios vs 'off'," in _printed_table(monkeypatch, summary)["title"]
