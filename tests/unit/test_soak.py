@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,18 +132,40 @@ def server() -> Any:
     httpd.shutdown()
 
 
+def _wait_until_exec_finished(pids: list[int], argv: list[str], timeout_s: float = 60.0) -> None:
+    """Wait until every process of ``pids`` reads as ``argv`` in ``/proc/PID/cmdline``. ``Popen`` returns as soon
+    as its child's exec has closed the exec error pipe (or, with vfork, released the parent's memory), which the
+    kernel does before it sets the new program's arguments: right after ``Popen`` the cmdline often reads empty
+    (1,289 times in 1,500 on a busy two-core machine), which the soak's memory reading would report as a process
+    without a name."""
+    want = b"".join(arg.encode() + b"\0" for arg in argv)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = []
+        for pid in pids:
+            try:
+                ready.append(Path(f"/proc/{pid}/cmdline").read_bytes() == want)
+            except OSError:
+                ready.append(False)
+        if all(ready):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes {pids} did not finish exec'ing {argv} within {timeout_s:.0f} s")
+        time.sleep(0.005)
+
+
 @pytest.fixture
 def server_group() -> Any:
     """The process group a soak watches, standing in for a real server's: (leader pid, member pid), two
     ``sleep`` processes in a process group of their own. Not the test's own group: pytest-xdist's workers and other
     tests' subprocesses share that one and come and go during a soak, which would read as restarts."""
-    # Popen returns only once its child has exec'd (CPython waits on the exec error pipe), so neither process
-    # is ever seen under another name. The leader's group stays in this session so that the member may join it
-    # (setpgid into another session's group is refused); it joins before its exec.
+    # The leader's group stays in this session so that the member may join it (setpgid into another session's
+    # group is refused); it joins before its exec.
     leader = subprocess.Popen(["sleep", "600"], process_group=0)
     member = None
     try:
         member = subprocess.Popen(["sleep", "600"], process_group=leader.pid)
+        _wait_until_exec_finished([leader.pid, member.pid], ["sleep", "600"])
         yield leader.pid, member.pid
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
