@@ -2,7 +2,7 @@
 unguarded (docs/testing.md, "Generated mutants"), driven through the stand-in SGLang layouts of
 ``test_sglang_decode_detection`` (``fake_sglang``: each version's ``forward_context``, ``ModelRunner.forward`` and
 graph runners, routing through ``select_experts`` -> ``_post_process_topk_ids``) and the registered plugin of
-``test_sglang_metrics_rows`` (``start``).
+``test_sglang_metrics_rows`` (``start``); ``targets.py`` at the very end.
 
 Decode detection: SGLang 0.5.23's ``forward_context`` still gets the batch it was given, and a batch without a
 ``forward_mode`` keeps SGLang's routing without raising; ``ModelRunner.forward(forward_batch=...)`` by keyword is
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import sys
 import types
@@ -36,6 +37,7 @@ import oea
 import oea.integrations.sglang.hooks as plugin_hooks
 import oea.integrations.sglang.metrics as sglang_metrics
 import oea.integrations.sglang.routing as plugin_routing
+import oea.integrations.sglang.targets as sglang_targets
 from oea.config import settings_from_env, write_layer_k0_file
 from oea.integrations import sglang as plugin
 from oea.integrations.sglang.fillers import distinct_fillers
@@ -615,3 +617,72 @@ def test_the_legacy_rewrite_passes_sglang_every_argument_and_uses_the_layers_k0(
                                                          oea.OEAConfig(1)), 8, 64)
     assert torch.equal(got.topk_ids.long(), want_ids)
     assert torch.allclose(got.topk_weights, want_weights, atol=1e-6)
+
+
+# == oea/integrations/sglang/targets.py ===========================================================================
+# What of SGLang is there: the version read under SGLang's own distribution name, a module that can or cannot be
+# imported, a model-executor module found on disk (a file, a package, nested) without importing it or its parent,
+# a forward_context that cannot be read, and one CUDA capture point (the newest) plus the CPU runner's only where
+# SGLang ships it.
+
+def test_the_engine_version_is_sglangs_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang_targets, "installed_version", {"sglang": "0.5.23"}.get)
+    assert plugin.engine_version() == "0.5.23"
+
+
+def test_module_exists_says_whether_a_module_can_be_imported() -> None:
+    assert sglang_targets.module_exists("json")
+    assert not sglang_targets.module_exists("oea_no_such_module")
+    assert not sglang_targets.module_exists("oea_no_such_module.child")  # its parent is missing
+
+
+@pytest.fixture
+def sglang_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """An SGLang source tree on ``sys.path`` (not imported): ``model_executor`` with a module file, a nested module
+    file and a package; every ``sglang`` module imported meanwhile is dropped after."""
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    executor = tmp_path / "sglang" / "srt" / "model_executor"
+    for folder in (tmp_path / "sglang", tmp_path / "sglang" / "srt", executor, executor / "runner",
+                   executor / "package_module"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").write_text("")
+    (executor / "cpu_graph_runner.py").write_text("")
+    (executor / "runner" / "decode_cuda_graph_runner.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield executor
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        del sys.modules[name]
+
+
+def test_model_executor_modules_are_found_on_disk_without_importing_them(sglang_on_disk: Any) -> None:
+    executor = sglang_targets.MODEL_EXECUTOR
+    assert sglang_targets.module_available(f"{executor}.cpu_graph_runner")
+    assert sglang_targets.module_available(f"{executor}.runner.decode_cuda_graph_runner")
+    assert sglang_targets.module_available(f"{executor}.package_module")
+    assert not sglang_targets.module_available(f"{executor}.cuda_graph_runner")
+    assert not sglang_targets.module_available(f"{executor}.runner.missing")
+    assert executor not in sys.modules  # found, not imported: SGLang's model executor is heavy
+    assert sglang_targets.module_available("json") and not sglang_targets.module_available("oea_no_such_module")
+    assert sglang_targets.graph_capture_targets() == [plugin.DECODE_GRAPH_CAPTURE_TARGET,
+                                                      plugin.CPU_GRAPH_CAPTURE_TARGET]
+
+
+def test_a_forward_context_that_cannot_be_read_is_not_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("sglang", "sglang.srt", sglang_targets.MODEL_EXECUTOR):
+        stand_in_module(monkeypatch, name)
+    stand_in_module(monkeypatch, sglang_targets.FORWARD_CONTEXT_MODULE)  # without forward_context
+    assert not sglang_targets.forward_context_takes_batch()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_one_cuda_capture_point_the_newest_and_the_cpu_one_only_where_sglang_ships_it(
+        monkeypatch: pytest.MonkeyPatch, legacy: bool) -> None:
+    for name in ("sglang", "sglang.srt", sglang_targets.MODEL_EXECUTOR, f"{sglang_targets.MODEL_EXECUTOR}.runner"):
+        stand_in_module(monkeypatch, name)
+    stand_in_module(monkeypatch, sglang_targets.target_module(plugin.GRAPH_CAPTURE_TARGET))
+    if not legacy:
+        stand_in_module(monkeypatch, sglang_targets.target_module(plugin.DECODE_GRAPH_CAPTURE_TARGET))
+    want = plugin.GRAPH_CAPTURE_TARGET if legacy else plugin.DECODE_GRAPH_CAPTURE_TARGET
+    assert sglang_targets.graph_capture_targets() == [want]  # no CPU graph runner module
