@@ -360,6 +360,7 @@ def test_the_schedule_ramps_in_equal_parts_then_alternates_bursts_and_steady_blo
 
 def test_only_http_on_a_loopback_address_is_soaked() -> None:
     assert check_loopback("http://127.0.0.1:8000//") == "http://127.0.0.1:8000"
+    assert check_loopback("http://127.0.0.1:8000/X/") == "http://127.0.0.1:8000/X"  # a path prefix kept whole
     assert check_loopback("https://localhost:1/") == "https://localhost:1"
     assert check_loopback("http://LOCALHOST:1") == "http://LOCALHOST:1"
     assert check_loopback("http://127.0.0.2:1") == "http://127.0.0.2:1" and check_loopback("http://[::1]:2")
@@ -464,6 +465,8 @@ URL = "http://127.0.0.1:8000/v1/models"
                                          "OpenAI server ('s')"),
     (_models(owned_by="openai"), f"{URL}: the server is not vLLM or SGLang (owned_by 'openai'); oea soak knows only "
                                  "vllm, sglang"),
+    (_Answer(200, {"data": [{"id": "m", "max_model_len": 512}]}), f"{URL}: the server is not vLLM or SGLang "
+                                                                  "(owned_by ''); oea soak knows only vllm, sglang"),
     (_models(owned_by=None), f"{URL}: the server is not vLLM or SGLang (owned_by 'None'); oea soak knows only "
                              "vllm, sglang"),
     (_models(max_model_len=None), f"{URL}: no max_model_len in the model list (got None); start the server with "
@@ -488,14 +491,15 @@ def test_identify_refuses_what_is_not_a_vllm_or_sglang_server(monkeypatch: pytes
 
 
 def test_the_health_summary() -> None:
-    samples = [(0.0, 200, 5.0), (1.0, NO_ANSWER, 10_000.0), (12.0, 503, 3.0), (13.0, UNREACHABLE, 1.0),
+    samples = [(0.0, 200, 5.06), (1.0, NO_ANSWER, 10_000.0), (12.0, 503, 3.0), (13.0, UNREACHABLE, 1.0),
                (14.0, 200, 7.36), (15.0, 200, 2.0), (16.0, 200, 4.04)]
     assert Health(samples).summary() == {
         "samples": 7, "unhealthy": 2, "no_answer": 1, "longest_silence_s": 11.0, "first_unhealthy_s": 12.0,
-        "first_unhealthy_status": 503, "max_latency_ms": 7.4, "median_latency_ms": 5.0}
+        "first_unhealthy_status": 503, "max_latency_ms": 7.4, "median_latency_ms": 5.1}
     assert Health([(0.25, NO_ANSWER, 10_000.0)]).summary() == {
         "samples": 1, "unhealthy": 0, "no_answer": 1, "longest_silence_s": 10.0, "first_unhealthy_s": None,
         "first_unhealthy_status": None, "max_latency_ms": None, "median_latency_ms": None}
+    assert Health([(1.0, NO_ANSWER, 10_060.0)]).summary()["longest_silence_s"] == 10.1
     assert Health([(2.26, UNREACHABLE, 1.0), (3.0, 500, 1.0)]).summary()["first_unhealthy_s"] == 2.3
     assert Health().summary()["samples"] == 0 and Health().samples == [] and Health().samples is not Health().samples
 
@@ -545,6 +549,13 @@ def test_the_health_poller_records_each_answer_when_it_was_asked(monkeypatch: py
     clock = iter([100.0, 101.0, 101.25, 102.0, 112.0, 113.0, 113.002, 114.0, 114.5])
     monkeypatch.setattr(monitor, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     monkeypatch.setattr(httpx, "AsyncClient", _Client)
+    waits: list[float] = []
+
+    async def wait_for(waited: Any, timeout: float) -> Any:
+        waits.append(timeout)
+        return await asyncio.wait_for(waited, 0)
+
+    monkeypatch.setattr(monitor, "asyncio", SimpleNamespace(wait_for=wait_for, TimeoutError=asyncio.TimeoutError))
     _Client.made, _Client.urls = [], []
     _Client.script = [200, httpx.ReadTimeout("slow"), httpx.ConnectError("refused"), 503]
     health = Health()
@@ -558,6 +569,7 @@ def test_the_health_poller_records_each_answer_when_it_was_asked(monkeypatch: py
                                                                             pytest.approx(2.0)), (14.0, 503, 500.0)]
     assert _Client.urls == ["http://127.0.0.1:8000/health"] * 4
     (made,) = _Client.made
+    assert waits == [0.0] * 4  # between polls, stopped at the 4th
     assert made["trust_env"] is False and made["timeout"] == 2.5 and made["limits"].max_keepalive_connections == 0
 
     stopped = asyncio.Event()
@@ -566,6 +578,13 @@ def test_the_health_poller_records_each_answer_when_it_was_asked(monkeypatch: py
     monkeypatch.setattr(monitor, "time", SimpleNamespace(monotonic=lambda: 0.0))
     asyncio.run(watch_health("http://127.0.0.1:8000", health, stopped))  # stopped before it began: asks nothing
     assert len(health.samples) == 4 and _Client.made[0]["timeout"] == monitor.HEALTH_TIMEOUT_S
+    # by default, a poll a second
+    waits.clear()
+    _Client.script = [200, 200]
+    monkeypatch.setattr(monitor, "time", SimpleNamespace(monotonic=lambda: 0.0))
+    _Client.stop = asyncio.Event()
+    asyncio.run(watch_health("http://127.0.0.1:8000", Health(), _Client.stop))
+    assert waits == [1.0, 1.0]
 
 
 def _proc(root: Path, pid: str, stat: str | None = None, status: str | None = None, rollup: str | None = None,
@@ -632,6 +651,8 @@ def test_memory_sums_every_process_of_the_group(proc: Path) -> None:
              "shmem_mib": 0.5},
             {"pid": 10, "name": "VLLM::Worker", "rss_mib": 1.0, "pss_mib": None, "anon_mib": 0.6, "file_mib": 0.4}]}
     assert memory(8)["processes"][0]["name"] == "?"  # no cmdline
+    (proc / "proc" / "1" / "cmdline").write_bytes(b"/opt/caf\xe9/vllm\xff\0serve\0")
+    assert memory(7)["processes"][0]["name"] == "vllm\ufffd"  # undecodable bytes replaced
     assert memory(99) == {"time": 1234.5, "rss_mib": 0.0, "pss_mib": 0.0, "anon_mib": 0.0, "file_mib": 0.0,
                           "shmem_mib": 0.0, "processes": []}
 
@@ -644,9 +665,11 @@ def test_kib_reads_the_asked_fields_of_a_proc_file(tmp_path: Path) -> None:
     assert monitor._kib(str(tmp_path / "none"), "VmRSS") == {}
     path.write_text("VmRSS:\t  2048 kB\nRssAnon:\n")
     assert monitor._kib(str(path), "VmRSS", "RssAnon") == {}  # a malformed file is not read in part
+    path.write_text("VmRSS:\t  2048 kB (a:b)\n")
+    assert monitor._kib(str(path), "VmRSS") == {"VmRSS": 2048}  # the value after the first colon
     path.write_text("VmRSS:\t  20x kB\n")
     assert monitor._kib(str(path), "VmRSS") == {}
-    assert [monitor._mib(k) for k in (1024, 1000, 1126, 0)] == [1.0, 1.0, 1.1, 0.0]
+    assert [monitor._mib(k) for k in (1024, 1000, 1126, 1076, 102400, 0)] == [1.0, 1.0, 1.1, 1.1, 100.0, 0.0]
 
 
 # == oea.soak.report =================================================================================================
