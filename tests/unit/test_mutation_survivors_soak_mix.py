@@ -747,3 +747,18 @@ def test_a_failed_verdict_is_printed_in_bold_red(monkeypatch: pytest.MonkeyPatch
     out = consoles[0].export_text(styles=True)
     assert out.count("\x1b[1;31mNO\x1b[0m") == 2 and "\x1b[1;31mno (reported)" not in out
     assert out.count("\x1b[1;31m") == 2
+
+
+def test_the_arm_tables_text_columns_are_justified_left_and_its_figures_right(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """The justification each column of the arm table is given, as rich reads it (rich prints an unknown one as
+    left, so the printed text alone would not tell ``"left"`` from a misspelt value)."""
+    from rich.console import Console
+
+    tables: list[Any] = []
+    monkeypatch.setattr(Console, "print", lambda self, table, *args, **kwargs: tables.append(table))
+    report.print_result(RESULT)
+    left = {"arm", "engine", "refused (status)"}
+    assert [c.justify for c in tables[0].columns] == ["left" if c.header in left else "right"
+                                                      for c in tables[0].columns]
+    assert sum(c.justify == "left" for c in tables[0].columns) == 3
