@@ -1,0 +1,390 @@
+"""What the generated mutants of ``oea/integrations/sglang/placement.py`` (``OEA_POLICY=ep``: each MoE layer's
+placement read from SGLang's ``ExpertLocationMetadata``) and ``plugin.py`` (``register``, ``install``, the
+direct patching of SGLang < 0.5.12) found unguarded (docs/testing.md, "Generated mutants"), with stand-ins for
+SGLang's ``expert_location`` and ``runtime_context`` modules (no SGLang, no accelerator: PyTorch's lazy device
+stands in for the logits' device).
+
+Placement: the reasons a layer keeps plain OEA, word for word (no metadata, EP 1, DP-attention ranks routing their
+own rows, a layer outside the metadata, a layout that misses an expert); the DP-attention settings read as SGLang
+publishes them (an unset or missing ``attn_dp_size`` is one rank; ``moe_a2a_backend`` ``None``/``"none"`` gathers
+the rows); the placement and its description from the slots, with and without static dispatch; the per-layer
+fields the configs are kept in; ``ep_config``: read once at a layer's first eager call, onto the logits' device,
+never inside a capture, again when SGLang replaces its metadata, and refused when its size is not the layer's;
+``install`` (the rebalance rereads the placements) and ``doctor_placement``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import types
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import test_mutation_survivors_sglang_devices as devices
+import torch
+from sglang_stand_ins import fresh_state, stand_in_module
+
+import oea.integrations.sglang.placement as placement
+from oea.config import settings_from_env
+from oea.integrations.sglang.state import STATE
+from oea.routing import EPOEAConfig, OEAConfig
+from oea.routing.layered import EP_IGNORES_MAX_EXPERTS
+
+torch.set_num_threads(1)
+LOGGER = "oea.integrations.sglang"
+RUNTIME = "sglang.srt.runtime_context"
+lazy = devices.lazy  # the lazy device, an accelerator stand-in (a fixture, found by this name)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugin_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_state(monkeypatch)
+    _runtime(monkeypatch, SimpleNamespace(attn_dp_size=1), None)  # SGLang's settings published: no DP attention
+
+
+def _meta(slots: list[list[int]], ep: int = 2, logical: int = 4, dispatch: list[list[int]] | None = None,
+          **overrides: Any) -> SimpleNamespace:
+    """SGLang's ``ExpertLocationMetadata``: ``slots`` [layers, physical slots] of logical experts, an equal block
+    of slots per EP rank."""
+    fields = dict(ep_size=ep, num_layers=len(slots), num_local_physical_experts=len(slots[0]) // ep,
+                  num_logical_experts=logical, physical_to_logical_map_cpu=torch.tensor(slots),
+                  logical_to_rank_dispatch_physical_map=None if dispatch is None else torch.tensor(dispatch))
+    return SimpleNamespace(**(fields | overrides))
+
+
+class _Location:
+    """The ``expert_location`` stand-in: the current metadata (replaceable) and how often it was asked for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, meta: Any) -> None:
+        self.meta, self.reads = meta, 0
+        self.module = types.ModuleType(placement.LOCATION_MODULE)
+        self.module.get_global_expert_location_metadata = self.get
+        self.module.ExpertLocationMetadata = type("ExpertLocationMetadata", (), {"update": lambda self: "updated"})
+        monkeypatch.setitem(sys.modules, placement.LOCATION_MODULE, self.module)
+
+    def get(self) -> Any:
+        self.reads += 1
+        return self.meta
+
+
+def _runtime(monkeypatch: pytest.MonkeyPatch, parallel: Any, a2a: Any) -> None:
+    """SGLang's published ``runtime_context``: ``get_parallel()`` and ``get_exec().moe.moe_a2a_backend``."""
+    for name in ("sglang", "sglang.srt"):
+        stand_in_module(monkeypatch, name)
+    module = stand_in_module(monkeypatch, RUNTIME)
+    module.get_parallel = lambda: parallel
+    module.get_exec = lambda: SimpleNamespace(moe=SimpleNamespace(moe_a2a_backend=a2a))
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+
+
+# -- read_layer_placement ------------------------------------------------------------------------------------------
+
+TWO_RANKS = [[0, 1, 2, 3], [3, 2, 1, 0]]  # EP 2, 2 slots per rank, no replica
+
+
+def test_a_layer_without_metadata_or_expert_parallelism_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    location = _Location(monkeypatch, None)
+    assert placement.read_layer_placement(0) == (
+        None, "SGLang has no expert location metadata (no expert parallelism for this model)")
+    location.meta = _meta(TWO_RANKS, ep=1)
+    assert placement.read_layer_placement(0) == (None, "SGLang runs without expert parallelism (ep_size 1)")
+
+
+def test_two_ep_ranks_named_as_text_are_expert_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS, ep=2))
+    got, _ = placement.read_layer_placement(1)
+    assert got is not None and got.num_devices == 2
+    assert got.device_of_expert.tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("layer_id", [-1, 2, "0", 0.0])
+def test_a_layer_outside_the_metadata_keeps_plain_oea_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                                layer_id: Any) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    assert placement.read_layer_placement(layer_id) == (
+        None, f"layer_id {layer_id!r} is not in SGLang's expert location metadata (2 layers)")
+
+
+def test_the_placement_without_static_dispatch_is_each_experts_first_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EP 2, 3 slots per rank: expert 0 on rank 0, replicated on rank 1 (slot 5), every other expert once."""
+    _Location(monkeypatch, _meta([[0, 1, 2, 3, 4, 0]], logical=5))
+    got, detail = placement.read_layer_placement(0)
+    assert got.device_of_expert.tolist() == [0, 0, 0, 1, 1] and got.num_devices == 2
+    assert detail == ("5 experts on 2 EP devices (2-3 each, engine map, 1 replicated); SGLang EP layout, replicas: "
+                      "first replica (no static dispatch)")
+
+
+def test_static_dispatch_places_each_expert_on_the_replica_this_rank_sends_it_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _Location(monkeypatch, _meta([[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 4, 0]], logical=5,
+                                 dispatch=[[0, 1, 2, 3, 4], [5, 1, 2, 3, 4]]))
+    first, _ = placement.read_layer_placement(0)
+    got, detail = placement.read_layer_placement(1)
+    assert first.device_of_expert.tolist() == [0, 0, 0, 1, 1]
+    assert got.device_of_expert.tolist() == [1, 0, 0, 1, 1]
+    assert detail == ("5 experts on 2 EP devices (2-3 each, engine map, 1 replicated); SGLang EP layout, replicas: "
+                      "static dispatch of this rank")
+
+
+def test_a_layout_missing_an_expert_keeps_plain_oea_saying_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Location(monkeypatch, _meta([[0, 1, 2, -1]], logical=4))
+    assert placement.read_layer_placement(0) == (None, "placement does not cover every expert: missing experts [3]")
+
+
+# -- DP attention --------------------------------------------------------------------------------------------------
+
+def test_dp_attention_ranks_routing_their_own_rows_keep_plain_oea(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    _runtime(monkeypatch, SimpleNamespace(attn_dp_size=2), "deepep")
+    assert placement.read_layer_placement(0) == (None, (
+        "2 DP-attention ranks route their own rows (moe_a2a_backend=deepep): each would fill the same idle EP "
+        "ranks, so the busiest one could grow (see oea simulate --dp --ep)"))
+
+
+@pytest.mark.parametrize(("parallel", "a2a"), [
+    (SimpleNamespace(attn_dp_size=2), None),  # rows gathered before the MoE
+    (SimpleNamespace(attn_dp_size=2), "none"),
+    (SimpleNamespace(attn_dp_size=1), "deepep"),  # no DP attention
+    (SimpleNamespace(attn_dp_size=None), "deepep"),  # unset: one rank
+    (SimpleNamespace(), "deepep"),  # a parallel config without the field: one rank
+])
+def test_a_routing_call_that_sees_every_ranks_rows_reads_its_placement(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture,
+                                                                       parallel: Any, a2a: Any) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    _runtime(monkeypatch, parallel, a2a)
+    with caplog.at_level(logging.WARNING):
+        got, _ = placement.read_layer_placement(0)
+    assert got.device_of_expert.tolist() == [0, 0, 1, 1]
+    assert _warnings(caplog) == []
+
+
+def test_unreadable_dp_settings_are_said_once_and_assume_the_whole_step(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    monkeypatch.setitem(sys.modules, RUNTIME, None)  # an SGLang older than runtime_context
+    with caplog.at_level(logging.WARNING):
+        first, _ = placement.read_layer_placement(0)
+        again, _ = placement.read_layer_placement(1)
+    assert first is not None and again is not None
+    [said] = _warnings(caplog)
+    assert said.startswith("oea: OEA_POLICY=ep: cannot read SGLang's DP-attention settings (")
+    assert said.endswith("); EP-aware OEA assumes each routing call sees the whole step's rows")
+
+
+# -- the per-layer fields of EPLayerConfigs ------------------------------------------------------------------------
+
+def _router(layer_id: Any, num_experts: int = 4, **fields: Any) -> SimpleNamespace:
+    state = SimpleNamespace(layer_id=layer_id, num_experts=num_experts, ep=None, ep_detail="", ep_metadata=None)
+    state.__dict__.update(fields)
+    STATE.routers[layer_id] = state
+    return state
+
+
+def test_a_layer_field_holds_only_the_layers_where_it_is_set() -> None:
+    field = placement._LayerField("ep_detail", "")
+    set_a, _ = _router(0, ep_detail="read"), _router(1)
+    with pytest.raises(KeyError):
+        field[1]
+    with pytest.raises(KeyError):
+        field[7]  # no such layer
+    assert field[0] == "read" and list(field) == [0] and len(field) == 1
+    field[1] = "why not"
+    assert STATE.routers[1].ep_detail == "why not" and list(field) == [0, 1] and len(field) == 2
+    del field[0]
+    assert set_a.ep_detail == "" and list(field) == [1]
+    with pytest.raises(KeyError):
+        del field[0]
+    assert set_a.ep_detail == ""
+
+
+# -- ep_config -----------------------------------------------------------------------------------------------------
+
+CFG = OEAConfig(2, min_batch=3)
+
+
+def _capturing(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
+    monkeypatch.setattr(placement, "graph_capturing", lambda: value)
+
+
+def test_a_layers_placement_is_read_once_at_its_first_eager_call(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    location = _Location(monkeypatch, _meta(TWO_RANKS))
+    state = _router(1)
+    reads = []
+    monkeypatch.setattr(placement.CONFIGS, "read", lambda key: reads.append(key) or placement.read_layer_placement(key))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got = placement.ep_config(state, CFG)
+        again = placement.ep_config(state, CFG)
+    assert isinstance(got, EPOEAConfig) and again is got and state.ep is got and reads == [1]
+    assert (got.k0, got.min_batch, got.placement.device_of_expert.tolist()) == (2, 3, [1, 1, 0, 0])
+    assert got.placement.device_of_expert.device.type == "cpu"
+    assert state.ep_metadata is location.meta
+    assert state.ep_detail == ("4 experts on 2 EP devices (2 each, engine map); SGLang EP layout, replicas: "
+                               "first replica (no static dispatch)")
+    assert [r.getMessage() for r in caplog.records] == [f"oea: EP-aware OEA on layer 1: {state.ep_detail}"]
+
+
+def test_the_placement_is_kept_on_the_logits_device(monkeypatch: pytest.MonkeyPatch, lazy: torch.device) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    state = _router(0)
+    got = placement.ep_config(state, CFG, lazy)
+    assert state.ep is got and got.placement.device_of_expert.device == lazy
+    assert got.placement.device_of_expert.cpu().tolist() == [0, 0, 1, 1]
+    assert got.placement.num_devices == 2 and (got.k0, got.min_batch) == (2, 3)
+    assert placement.ep_config(state, CFG, lazy) is got
+
+
+def test_a_layer_first_met_in_a_capture_keeps_plain_oea_until_an_eager_call(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    state = _router(0)
+    _capturing(monkeypatch, True)
+    with caplog.at_level(logging.WARNING):
+        assert placement.ep_config(state, CFG) is CFG
+        assert placement.ep_config(state, CFG) is CFG
+    assert (state.ep, state.ep_detail, state.ep_metadata) == (None, "", None)
+    assert _warnings(caplog) == ["oea: OEA_POLICY=ep: layer 0 was first met inside a CUDA-graph capture, where its "
+                                 "placement cannot be read; plain OEA there"]
+    _capturing(monkeypatch, False)
+    assert isinstance(placement.ep_config(state, CFG), EPOEAConfig)
+
+
+def test_new_metadata_is_read_again_at_the_next_eager_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    location = _Location(monkeypatch, _meta(TWO_RANKS))
+    state = _router(0)
+    first = placement.ep_config(state, CFG)
+    location.meta = _meta([[1, 0, 3, 2], [1, 0, 3, 2]])
+    _capturing(monkeypatch, True)
+    assert placement.ep_config(state, CFG) is first  # inside a capture: the placement it was built with
+    _capturing(monkeypatch, False)
+    second = placement.ep_config(state, CFG)
+    assert second is not first and second.placement.device_of_expert.tolist() == [0, 0, 1, 1]
+    assert state.ep_metadata is location.meta
+
+
+def test_a_layer_without_a_placement_keeps_plain_oea_saying_why_once(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS, ep=1))
+    state = _router(0)
+    reads = []
+    monkeypatch.setattr(placement.CONFIGS, "read", lambda key: reads.append(key) or placement.read_layer_placement(key))
+    with caplog.at_level(logging.WARNING):
+        assert placement.ep_config(state, CFG) is CFG
+        assert placement.ep_config(state, CFG) is CFG
+    assert reads == [0] and state.ep is None
+    assert _warnings(caplog) == ["oea: OEA_POLICY=ep: layer 0 keeps plain OEA: SGLang runs without expert "
+                                 "parallelism (ep_size 1)"]
+
+
+def test_a_placement_of_another_size_than_the_layer_keeps_plain_oea(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    state = _router(0, num_experts=6)
+    with caplog.at_level(logging.WARNING):
+        assert placement.ep_config(state, CFG) is CFG
+    assert isinstance(state.ep, EPOEAConfig)
+    assert _warnings(caplog) == ["oea: OEA_POLICY=ep: layer 0 routes 6 experts but its placement has 4; plain OEA"]
+
+
+# -- install and doctor_placement ----------------------------------------------------------------------------------
+
+def test_install_wraps_the_rebalance_only_under_the_ep_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    location = _Location(monkeypatch, _meta(TWO_RANKS))
+    update = location.module.ExpertLocationMetadata.update
+    assert placement.install() == []  # no settings
+    STATE.settings = settings_from_env({"OEA_K0": "2"})
+    assert placement.install() == []
+    assert location.module.ExpertLocationMetadata.update is update
+    STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_POLICY": "ep"})
+    assert placement.install() == ["ExpertLocationMetadata.update"]
+    assert placement.install() == []  # wrapped once
+
+
+def test_a_rebalance_rereads_the_placements_into_the_same_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    location = _Location(monkeypatch, _meta(TWO_RANKS))
+    STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_POLICY": "ep"})
+    placement.install()
+    state = _router(0)
+    built = placement.ep_config(state, CFG)
+    tensor = built.placement.device_of_expert
+    location.meta.physical_to_logical_map_cpu = torch.tensor([[3, 2, 1, 0], [3, 2, 1, 0]])
+    assert location.module.ExpertLocationMetadata().update() == "updated"
+    assert built.placement.device_of_expert is tensor and tensor.tolist() == [1, 1, 0, 0]
+
+
+def test_max_experts_under_ep_is_said_once_and_only_with_oea(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    _Location(monkeypatch, _meta(TWO_RANKS))
+    with caplog.at_level(logging.WARNING):
+        STATE.settings = settings_from_env({"OEA_POLICY": "ep", "OEA_MAX_EXPERTS": "4"})
+        placement.install()
+        assert _warnings(caplog) == []
+        STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_POLICY": "ep"})
+        placement.install()
+        assert _warnings(caplog) == []
+        STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_POLICY": "ep", "OEA_MAX_EXPERTS": "4"})
+        placement.install()
+    assert _warnings(caplog) == [f"oea: {EP_IGNORES_MAX_EXPERTS}"]
+
+
+@pytest.mark.parametrize("module", [None, types.ModuleType(placement.LOCATION_MODULE)])
+def test_install_without_sglangs_metadata_class_keeps_plain_oea_saying_so(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture,
+                                                                          module: Any) -> None:
+    monkeypatch.setitem(sys.modules, placement.LOCATION_MODULE, module)
+    STATE.settings = settings_from_env({"OEA_K0": "2", "OEA_POLICY": "ep"})
+    with caplog.at_level(logging.WARNING):
+        assert placement.install() == []
+    [said] = _warnings(caplog)
+    assert said.startswith("oea: OEA_POLICY=ep: SGLang's expert location metadata is missing (")
+    assert said.endswith("); every layer keeps plain OEA")
+
+
+@dataclasses.dataclass
+class _Metadata:
+    physical_to_logical_map_cpu: Any = None
+    logical_to_rank_dispatch_physical_map: Any = None
+    ep_size: int = 8
+    num_local_physical_experts = 33
+    num_logical_experts = 256
+
+    def update(self) -> None:
+        pass
+
+
+def _doctor_module(monkeypatch: pytest.MonkeyPatch, metadata: type) -> None:
+    module = types.ModuleType(placement.LOCATION_MODULE)
+    module.ExpertLocationMetadata = metadata
+    monkeypatch.setitem(sys.modules, placement.LOCATION_MODULE, module)
+
+
+@pytest.mark.parametrize(("policy", "env"), [("oea", None), ("ep", {"OEA_K0": "2", "OEA_POLICY": "ep"})])
+def test_the_doctor_names_what_it_reads_and_the_ep8_example(monkeypatch: pytest.MonkeyPatch, policy: str,
+                                                            env: Any) -> None:
+    _doctor_module(monkeypatch, _Metadata)
+    STATE.settings = None if env is None else settings_from_env(env)
+    assert placement.doctor_placement() == (
+        f"OEA_POLICY={policy}; reads ExpertLocationMetadata (ep_size, logical_to_rank_dispatch_physical_map, "
+        "physical_to_logical_map_cpu); EP=8 example: 256 experts on 8 EP devices (25-33 each, engine map, "
+        "8 replicated); a server logs each layer's placement at its first decode call")
+
+
+def test_the_doctor_fails_naming_what_sglangs_metadata_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    lacking = dataclasses.make_dataclass("Lacking", [("ep_size", int), ("physical_to_logical_map_cpu", Any)])
+    lacking.num_logical_experts = 256
+    _doctor_module(monkeypatch, lacking)
+    with pytest.raises(RuntimeError) as err:
+        placement.doctor_placement()
+    assert str(err.value) == ("SGLang's ExpertLocationMetadata lacks ['logical_to_rank_dispatch_physical_map', "
+                              "'num_local_physical_experts', 'update']: OEA_POLICY=ep would keep plain OEA")
+    _doctor_module(monkeypatch, type("NotADataclass", (), {}))
+    with pytest.raises(RuntimeError, match=r"lacks \['ep_size', 'logical_to_rank_dispatch_physical_map', "
+                                           r"'physical_to_logical_map_cpu', 'num_local_physical_experts', "
+                                           r"'num_logical_experts', 'update'\]"):
+        placement.doctor_placement()
