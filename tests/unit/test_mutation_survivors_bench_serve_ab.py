@@ -9,6 +9,9 @@ for the benchmark and the servers (no request is sent)."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,3 +164,204 @@ def test_the_handler_hands_the_parsed_flags_to_the_ab_driver(monkeypatch: pytest
     args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:8000", "--rounds", "3"])
     assert args.handler(args) == 7
     assert seen == [args] and seen[0].rounds == 3
+
+
+# ---------------------------------------------------------------- ab.py: the arms from the command line
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "serve", *argv])
+
+
+def test_arms_on_running_servers_in_the_order_of_their_flags() -> None:
+    from oea.bench.serve.ab import parse_arms
+    from oea.bench.serve.client import Arm
+
+    args = _args("--arm", "k3=http://h:3/?x=y", "--base-url-b", "http://h:2", "--base-url", "https://h:0",
+                 "--base-url-a", "http://h:1", "--arm", "k5=http://h:5")
+    assert parse_arms(args) == [Arm("server", "https://h:0"), Arm("a", "http://h:1"), Arm("b", "http://h:2"),
+                                Arm("k3", "http://h:3/?x=y"), Arm("k5", "http://h:5")]
+    assert parse_arms(_args()) == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--base-url-a", "http://h:1"], "--base-url-a and --base-url-b go together"),
+    (["--base-url-b", "http://h:1"], "--base-url-a and --base-url-b go together"),
+    (["--arm", "k3"], "--arm must be NAME=URL, got 'k3'"),
+    (["--arm", "=http://h:1"], "--arm must be NAME=URL, got '=http://h:1'"),
+    (["--arm", "k3="], "--arm must be NAME=URL, got 'k3='"),
+    (["--arm", "a=http://h:1", "--arm", "a=http://h:2"], "arm names must be unique, got ['a', 'a']"),
+    (["--base-url-a", "http://h:1", "--base-url-b", "http://h:2", "--arm", "b=http://h:3"],
+     "arm names must be unique, got ['a', 'b', 'b']"),
+    (["--base-url", "h:1"], "--base-url must be an http:// or https:// URL with a host (e.g. http://127.0.0.1:8000), "
+                            "got 'h:1'"),
+    (["--base-url-a", "http://h:1", "--base-url-b", "ftp://h:2"], "--base-url-b must be an http:// or https://"),
+    (["--base-url-a", "http:///x", "--base-url-b", "http://h:2"], "--base-url-a must be an http:// or https://"),
+    (["--arm", "k3=http//h"], "--arm k3=URL must be an http:// or https:// URL with a host"),
+])
+def test_bad_arms_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
+    from oea.bench.serve.ab import parse_arms
+
+    with pytest.raises(ValueError) as err:
+        parse_arms(_args(*argv))
+    assert str(err.value).startswith(message)
+
+
+def test_restart_mode_arms_and_their_own_server_arguments() -> None:
+    from oea.bench.serve.ab import parse_serve_arm_args, parse_serve_arms
+
+    arms = parse_serve_arms(["off=", "k3=OEA_K0=3 OEA_MIN_BATCH='1'"])
+    assert arms == {"off": {}, "k3": {"OEA_K0": "3", "OEA_MIN_BATCH": "1"}} and list(arms) == ["off", "k3"]
+    with pytest.raises(ValueError, match=r"^--serve-arm names must be unique, got 'off' twice$"):
+        parse_serve_arms(["off=", "k3=", "off=OEA_K0=1"])
+    with pytest.raises(ValueError, match=r"^--serve-arm must be NAME=ENV"):
+        parse_serve_arms(["off"])
+    assert parse_serve_arm_args(["k3=--speculative 'a b' --x=1=2"], arms) == {"k3": ["--speculative", "a b",
+                                                                                   "--x=1=2"]}
+    assert parse_serve_arm_args([], arms) == {}
+    bad = {"k3": "--serve-arm-args must be NAME=ARGS (server arguments for that arm), got 'k3'",
+           "=--x": "--serve-arm-args must be NAME=ARGS (server arguments for that arm), got '=--x'",
+           "k3=  ": "--serve-arm-args must be NAME=ARGS (server arguments for that arm), got 'k3=  '",
+           "k5=--x": "--serve-arm-args k5: no --serve-arm of that name (arms: off, k3)"}
+    for spec, message in bad.items():
+        with pytest.raises(ValueError) as err:
+            parse_serve_arm_args([spec], arms)
+        assert str(err.value) == message
+    with pytest.raises(ValueError) as err:
+        parse_serve_arm_args(["k3=--x", "off=--y", "k3=--z"], arms)
+    assert str(err.value) == "--serve-arm-args k3: given twice"
+
+
+def test_engine_metrics_files_by_arm() -> None:
+    from pathlib import Path
+
+    from oea.bench.serve.ab import parse_engine_metrics
+
+    assert parse_engine_metrics(["a=/m/a.jsonl", "b=x=y.jsonl"]) == {"a": Path("/m/a.jsonl"), "b": Path("x=y.jsonl")}
+    for spec in ("a", "=f", "a="):
+        with pytest.raises(ValueError) as err:
+            parse_engine_metrics([spec])
+        assert str(err.value) == f"--engine-metrics must be NAME=FILE, got {spec!r}"
+
+
+def test_the_request_mix_takes_every_flag() -> None:
+    from oea.bench.serve.ab import bench_config
+    from oea.bench.serve.client import BenchConfig
+
+    args = _args("--model", "m", "--dataset", "text", "--num-prompts", "5", "--random-input-len", "7",
+                 "--random-output-len", "9", "--random-range-ratio", "0.5", "--text-input-chars", "33",
+                 "--max-concurrency", "3", "1", "--rounds", "4", "--warmup-requests", "6", "--seed", "11",
+                 "--timeout", "2.5")
+    assert bench_config(args) == BenchConfig(model="m", dataset="text", num_prompts=5, random_input_len=7,
+                                             random_output_len=9, random_range_ratio=0.5, text_input_chars=33,
+                                             concurrencies=(3, 1), rounds=4, warmup_requests=6, seed=11,
+                                             timeout=2.5)
+
+
+# ---------------------------------------------------------------- ab.py: rounds, load, engine rows
+
+
+def test_restart_mode_rotates_the_arm_order_each_round() -> None:
+    from oea.bench.serve.ab import restart_order
+
+    names = ["off", "k5", "k3"]
+    assert [restart_order(names, r) for r in range(5)] == [
+        ["off", "k5", "k3"], ["k5", "k3", "off"], ["k3", "off", "k5"], ["off", "k5", "k3"], ["k5", "k3", "off"]]
+    assert [restart_order(["a", "b"], r) for r in (0, 1, 2, 7)] == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    assert names == ["off", "k5", "k3"]
+
+
+def test_waiting_for_the_load_polls_until_it_is_at_most_the_bound_or_the_time_is_up() -> None:
+    from oea.bench.serve.ab import wait_for_load
+
+    def run(loads: list[float], max_load: float | None, timeout: float, **kw: Any) -> tuple[float, list[float]]:
+        slept: list[float] = []
+        it = iter(loads)
+        waited = wait_for_load(max_load, timeout, loadavg=lambda: (next(it), 99.0, 99.0), sleep=slept.append, **kw)
+        return waited, slept
+
+    assert run([], None, 100.0) == (0.0, [])  # no bound: the load is never read
+    assert run([5.0, 4.0, 2.0, 9.0], 2.0, 100.0) == (30.0, [15.0, 15.0])  # 2.0 is at most 2.0
+    assert run([5.0, 5.0, 5.0, 5.0], 2.0, 30.0) == (30.0, [15.0, 15.0])
+    assert run([5.0, 5.0, 5.0, 5.0], 2.0, 29.0, poll=10.0) == (30.0, [10.0, 10.0, 10.0])
+    assert run([5.0], 2.0, 0.0) == (0.0, [])
+
+
+def test_each_round_records_the_load_average_then_the_engine_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    from oea.bench.serve import ab
+
+    monkeypatch.setattr(ab.os, "getloadavg", lambda: (1.5, 2.5, 3.5))
+    row: dict[str, Any] = {}
+    ab.with_load(None)(row)
+    assert row == {"loadavg": [1.5, 2.5, 3.5]}
+    seen: list[dict[str, Any]] = []
+    ab.with_load(lambda r: seen.append(dict(r)))(row)
+    assert seen == [{"loadavg": [1.5, 2.5, 3.5]}]
+
+
+def _step(t: float, decode: bool = True, **kw: Any) -> dict[str, Any]:
+    return {"time": t, "decode": decode, "rows": kw.pop("rows", 2), "active": kw.pop("active", [2]), **kw}
+
+
+def test_the_engine_summary_of_a_rounds_window() -> None:
+    from oea.bench.serve.ab import engine_summary
+
+    rows = [
+        _step(10.0, pid=7, step=1, rows=4, active=[2, 4], routing_us=[10.0, 20.0]),  # at the window's start
+        _step(10.5, pid=7, step=2, rows=2, active=[6], routing_us=[60.0], active_stock=[8]),  # 500 ms after step 1
+        _step(10.5, pid=7, step=3, rows=2, active=[1], routing_us=[]),  # a gap of 0: left out
+        _step(11.5, pid=8, step=2, rows=4, active=[3]),  # another process: its step 1 is not here
+        _step(21.0, pid=8, step=9, rows=4, active=[4], routing_us=[30.0]),  # end + 1 s: still in
+        _step(9.99, active=[100], routing_us=[1e6]), _step(21.01, active=[100], routing_us=[1e6]),
+        _step(12.0, decode=False, active=[100], routing_us=[1e6]),  # a prompt step
+    ]
+    out = engine_summary(rows, 10.0, 20.0)
+    assert out == pytest.approx({
+        "engine_decode_steps": 5, "engine_routing_us_per_call": 30.0, "engine_routing_us_median": 25.0,
+        "engine_active_experts": 20 / 6, "engine_mean_decode_rows": 3.2, "engine_active_experts_stock": 8.0,
+        "engine_step_ms_median": 500.0, "engine_routing_share_call": 30.0 / 1e3 / 500.0,
+        "engine_routing_share_step": 40.0 / 1e3 / 500.0})
+
+
+def test_the_engine_summary_of_speculative_steps_and_of_nothing() -> None:
+    from oea.bench.serve.ab import engine_summary
+
+    rows = [_step(1.0, decode=False, verify=True, oea=True, tokens_per_request=[1, 3]),
+            _step(2.0, decode=False, verify=True, oea=False, tokens_per_request=[4]),
+            _step(3.0, decode=True, verify=False, oea=True),
+            _step(4.0, decode=True, verify=False, oea=0, tokens_per_request=[]),
+            _step(5.0, decode=False, verify=False, oea=True, tokens_per_request=[50])]
+    out = engine_summary(rows, 0.0, 10.0)
+    assert math.isnan(out.pop("engine_routing_us_per_call")) and math.isnan(out.pop("engine_routing_us_median"))
+    assert out == {"engine_decode_steps": 4, "engine_active_experts": 2, "engine_mean_decode_rows": 2,
+                   "engine_verify_steps": 2, "engine_verify_steps_rewritten": 1, "engine_decode_steps_rewritten": 1,
+                   "engine_mean_tokens_per_request": 3.0}
+    plain = engine_summary([_step(1.0, verify=False, oea=True)], 0.0, 10.0)
+    assert "engine_mean_tokens_per_request" not in plain and plain["engine_verify_steps"] == 0
+    empty = engine_summary(rows, 20.0, 30.0)
+    assert empty["engine_decode_steps"] == 0 and sorted(empty) == sorted(
+        ["engine_decode_steps", "engine_routing_us_per_call", "engine_routing_us_median", "engine_active_experts",
+         "engine_mean_decode_rows"])
+    assert all(math.isnan(v) for k, v in empty.items() if k != "engine_decode_steps")
+
+
+def test_the_enricher_reads_the_arms_metrics_file_after_a_flush(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    from oea.bench.serve import ab
+
+    slept: list[float] = []
+    monkeypatch.setattr(ab.time, "sleep", slept.append)
+    path = tmp_path / "engine-k3.jsonl"
+    enrich = ab.engine_enricher({"k3": path, "off": tmp_path / "none.jsonl"})
+    row = {"arm": "other", "start_time": 0.0, "end_time": 10.0}
+    enrich(row)
+    assert row == {"arm": "other", "start_time": 0.0, "end_time": 10.0} and slept == []
+    row = {"arm": "off", "start_time": 0.0, "end_time": 10.0}
+    enrich(row)  # no file yet: no wait, no steps
+    assert slept == [] and row["engine_decode_steps"] == 0
+    path.write_text(json.dumps(_step(5.0, routing_us=[7.0])) + "\n")
+    row = {"arm": "k3", "start_time": 0.0, "end_time": 10.0}
+    enrich(row)
+    assert slept == [1.0] and row["engine_decode_steps"] == 1 and row["engine_routing_us_per_call"] == 7.0
+    ab.engine_enricher({"k3": path}, flush_wait=0.25)(dict(row))
+    assert slept == [1.0, 0.25]
