@@ -388,3 +388,21 @@ def test_the_doctor_fails_naming_what_sglangs_metadata_lacks(monkeypatch: pytest
                                            r"'physical_to_logical_map_cpu', 'num_local_physical_experts', "
                                            r"'num_logical_experts', 'update'\]"):
         placement.doctor_placement()
+
+
+def test_each_layer_met_in_a_capture_or_of_another_size_is_said_and_one_reason_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A capture or a size mismatch is warned per layer; a reason to keep plain OEA once, at the first layer."""
+    location = _Location(monkeypatch, _meta(TWO_RANKS))
+    _capturing(monkeypatch, True)
+    with caplog.at_level(logging.WARNING):
+        for layer in (0, 1):
+            assert placement.ep_config(_router(layer), CFG) is CFG
+        _capturing(monkeypatch, False)
+        for layer in (0, 1):
+            assert placement.ep_config(_router(layer, num_experts=6), CFG) is CFG
+        location.meta = _meta(TWO_RANKS, ep=1)
+        for layer in (2, 3):
+            assert placement.ep_config(_router(layer), CFG) is CFG
+    assert [w.removeprefix("oea: OEA_POLICY=ep: layer ").split(" ", 2)[:2] for w in _warnings(caplog)] == [
+        ["0", "was"], ["1", "was"], ["0", "routes"], ["1", "routes"], ["2", "keeps"]]
