@@ -365,3 +365,227 @@ def test_the_enricher_reads_the_arms_metrics_file_after_a_flush(monkeypatch: pyt
     assert slept == [1.0] and row["engine_decode_steps"] == 1 and row["engine_routing_us_per_call"] == 7.0
     ab.engine_enricher({"k3": path}, flush_wait=0.25)(dict(row))
     assert slept == [1.0, 0.25]
+
+
+# ---------------------------------------------------------------- ab.py: restart mode with stand-in servers
+
+
+class _Restart:
+    """Stand-ins for the server launcher, health wait, engine check, load wait and benchmark of restart mode:
+    each records its calls in ``log``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_arm: str | None = None) -> None:
+        from oea.bench.serve import ab
+        from oea.launch import priority, server_process
+
+        self.log: list[tuple[Any, ...]] = []
+        self.servers: list[Any] = []
+        monkeypatch.setenv("OEA_K0", "9")  # the stock arm must not inherit it
+        monkeypatch.setattr(ab, "server_starter", lambda engine, args, python: (
+            self.log.append(("starter", engine, list(args), python)) or self.start))
+        monkeypatch.setattr(server_process, "wait_healthy", lambda server, **kw: self.log.append(
+            ("healthy", server.base_url, kw)))
+        monkeypatch.setattr(server_process, "stop_server", lambda server: self.log.append(("stop", server.base_url)))
+        monkeypatch.setattr(ab, "require_engine", lambda url, engine, **kw: self.log.append(
+            ("engine", url, engine, kw)))
+        monkeypatch.setattr(ab, "wait_for_load", lambda max_load, wait: self.log.append(("load", max_load, wait))
+                            or 2.5)
+        monkeypatch.setattr(priority, "set_priority", lambda nice, flag: self.log.append(("nice", nice, flag)))
+        monkeypatch.setattr(ab.os, "getloadavg", lambda: (1.0, 2.0, 3.0))
+        self.fail_arm = fail_arm
+
+        def run_benchmark(arms: list[Any], cfg: Any, progress: bool, enrich: Any) -> list[dict[str, Any]]:
+            import signal
+
+            (arm,) = arms
+            self.log.append(("bench", arm.name, arm.base_url, cfg.rounds, cfg.seed, progress))
+            if arm.name == self.fail_arm:
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            row = {"arm": arm.name, "start_time": 0.0, "end_time": 1.0}
+            enrich(row)
+            return [row]
+
+        monkeypatch.setattr(ab, "run_benchmark", run_benchmark)
+
+    def start(self, args: list[str], env: dict[str, str], python: str | None, log_path: Path,
+              nice: int | None) -> Any:
+        metrics = Path(env["OEA_METRICS_FILE"])
+        self.log.append(("start", list(args), {k: v for k, v in env.items() if k.startswith("OEA")}, python,
+                         log_path.name, nice, metrics.exists()))
+        server = argparse.Namespace(base_url=f"http://127.0.0.1:{9000 + len(self.servers)}")
+        self.servers.append(server)
+        return server
+
+
+def _cfg(**kw: Any) -> Any:
+    from oea.bench.serve.client import BenchConfig
+
+    return BenchConfig(**{"model": "m", "concurrencies": (1,), "rounds": 2, "seed": 5, **kw})
+
+
+def test_restart_mode_starts_one_server_per_arm_and_round_in_the_rotated_order(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    import signal
+
+    from oea.bench.serve.ab import run_restarted
+    from oea.bench.serve.client import load_rows
+
+    stand_in = _Restart(monkeypatch)
+    out_dir = tmp_path / "deep" / "metrics"
+    out_dir.mkdir(parents=True)
+    (out_dir / "engine-k3-round3.jsonl").write_text("stale\n")  # an earlier run's: removed before the server starts
+    before = signal.getsignal(signal.SIGTERM)
+    rows = run_restarted({"off": {}, "k3": {"OEA_K0": "3"}}, ["--", "--model", "m"], _cfg(), out_dir,
+                         tmp_path / "rows.jsonl", "/py", 60.0, progress=False, server_nice=-5, first_round=3,
+                         max_load=4.0, load_wait=30.0, engine="vllm", arm_args={"k3": ["--spec", "1"]})
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert stand_in.log[:2] == [("nice", -5, "--server-nice"), ("starter", "vllm", ["--model", "m"], "/py")]
+    calls = stand_in.log[2:]
+    order = [(c[1], c[3]) for c in calls if c[0] == "bench"]
+    assert order == [("k3", 1), ("off", 1), ("off", 1), ("k3", 1)]  # round 3: k3 off; round 4: off k3
+    assert [c[4] for c in calls if c[0] == "bench"] == [305, 305, 405, 405]  # the round's own prompts
+    assert all(c[5] is False for c in calls if c[0] == "bench")
+    starts = [c for c in calls if c[0] == "start"]
+    assert [(c[1], c[2], c[3], c[4], c[5], c[6]) for c in starts] == [
+        (["--model", "m", "--spec", "1"], {"OEA_METRICS_FILE": str(out_dir / "engine-k3-round3.jsonl"),
+                                           "OEA_TIMING": "1", "OEA_K0": "3"}, "/py", "server-k3-round3.log", -5, False),
+        (["--model", "m"], {"OEA_METRICS_FILE": str(out_dir / "engine-off-round3.jsonl"), "OEA_TIMING": "1"},
+         "/py", "server-off-round3.log", -5, False),
+        (["--model", "m"], {"OEA_METRICS_FILE": str(out_dir / "engine-off-round4.jsonl"), "OEA_TIMING": "1"},
+         "/py", "server-off-round4.log", -5, False),
+        (["--model", "m", "--spec", "1"], {"OEA_METRICS_FILE": str(out_dir / "engine-k3-round4.jsonl"),
+                                           "OEA_TIMING": "1", "OEA_K0": "3"}, "/py", "server-k3-round4.log", -5, False),
+    ]
+    first = calls[:6]
+    assert first == [("load", 4.0, 30.0), starts[0], ("healthy", "http://127.0.0.1:9000",
+                                                       {"timeout": 60.0, "timeout_name": "--health-timeout"}),
+                     ("engine", "http://127.0.0.1:9000", "vllm", {"strict": False}),
+                     ("bench", "k3", "http://127.0.0.1:9000", 1, 305, False), ("stop", "http://127.0.0.1:9000")]
+    assert [c[1] for c in calls if c[0] == "stop"] == [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    assert [(r["arm"], r["round"], r["engine"], r["arm_env"], r.get("arm_server_args"), r["load_wait_s"],
+             r["loadavg"], r["engine_decode_steps"]) for r in rows] == [
+        ("k3", 3, "vllm", {"OEA_K0": "3"}, ["--spec", "1"], 2.5, [1.0, 2.0, 3.0], 0),
+        ("off", 3, "vllm", {}, None, 2.5, [1.0, 2.0, 3.0], 0),
+        ("off", 4, "vllm", {}, None, 2.5, [1.0, 2.0, 3.0], 0),
+        ("k3", 4, "vllm", {"OEA_K0": "3"}, ["--spec", "1"], 2.5, [1.0, 2.0, 3.0], 0)]
+    assert "arm_server_args" not in rows[1]
+    assert load_rows(tmp_path / "rows.jsonl") == json.loads(json.dumps(rows))
+
+
+def test_restart_mode_defaults_and_the_engine_detected_from_the_arguments(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from oea.bench.serve.ab import run_restarted
+
+    stand_in = _Restart(monkeypatch)
+    out_dir = tmp_path / "a" / "b"
+    rows = run_restarted({"off": {}}, ["--model-path", "m"], _cfg(rounds=1), out_dir, None, None, 9.0,
+                         progress=True)
+    assert out_dir.is_dir() and not list(out_dir.iterdir())
+    assert stand_in.log[0] == ("starter", "sglang", ["--model-path", "m"], None)
+    assert ("load", None, 1800.0) in stand_in.log and not any(c[0] == "nice" for c in stand_in.log)
+    start = next(c for c in stand_in.log if c[0] == "start")
+    assert start[4:6] == ("server-off-round0.log", None)
+    assert next(c for c in stand_in.log if c[0] == "bench")[3:] == (1, 5, True)
+    assert [(r["round"], r["engine"], r["arm_env"]) for r in rows] == [(0, "sglang", {})]
+    assert "arm_server_args" not in rows[0]
+
+
+def test_sigterm_in_restart_mode_stops_the_server_and_restores_the_handler(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    import signal
+
+    from oea.bench.serve.ab import run_restarted
+
+    stand_in = _Restart(monkeypatch, fail_arm="k3")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match=f"^signal {int(signal.SIGTERM)}$"):
+        run_restarted({"off": {}, "k3": {}}, ["--model", "m"], _cfg(), tmp_path, tmp_path / "rows.jsonl", None, 9.0,
+                      progress=False, engine="vllm")
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert [c[0] for c in stand_in.log][-2:] == ["bench", "stop"]
+    assert [c[1] for c in stand_in.log if c[0] == "bench"] == ["off", "k3"]
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("vllm_args", "first_round", "engine", "message"), [
+    (["--model", "m"], -1, None, "^--first-round must be >= 0, got -1$"),
+    (["--"], 0, None, r"^restart mode needs the server arguments after '--' \(vLLM's api_server or SGLang's "
+                       r"launch_server\)$"),
+    ([], 0, None, "^restart mode needs the server arguments"),
+    (["--model", "m"], 0, "trt", "--engine"),
+])
+def test_restart_mode_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, vllm_args: list[str],
+                               first_round: int, engine: str | None, message: str) -> None:
+    from oea.bench.serve.ab import run_restarted
+
+    stand_in = _Restart(monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        run_restarted({"off": {}}, vllm_args, _cfg(), tmp_path / "out", None, None, 9.0, progress=False,
+                      first_round=first_round, engine=engine)
+    assert stand_in.log == [] and not (tmp_path / "out").exists()
+
+
+def test_the_server_starter_of_each_engine(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                           ) -> None:
+    import functools
+    import sys
+
+    from oea.bench.serve import ab
+    from oea.launch import sglang_server, vllm
+
+    probes: list[tuple[str, str]] = []
+    found = {"sgl_kernel": False}
+    monkeypatch.setattr(ab, "_importable", lambda python, module: probes.append((python, module)) or found[module])
+    assert ab.server_starter("vllm", ["--device", "cpu"], None) is vllm.start_server and probes == []
+    starter = ab.server_starter("sglang", ["--model-path", "m", "--device", "cpu"], "/py")
+    assert isinstance(starter, functools.partial) and starter.func is sglang_server.start_server
+    assert starter.keywords == {"stand_in": True} and starter.args == () and probes == [("/py", "sgl_kernel")]
+    assert capsys.readouterr().err == (
+        "oea bench serve: no sgl_kernel in the SGLang interpreter: each CPU server runs with oea's sgl_kernel "
+        "stand-in (SGLang's torch-native paths; oea.launch.sglang_server)\n")
+    assert ab.server_starter("sglang", ["--device=cpu"], None).keywords == {"stand_in": True}
+    assert probes[-1] == (sys.executable, "sgl_kernel")
+    capsys.readouterr()
+    found["sgl_kernel"] = True
+    assert ab.server_starter("sglang", ["--device", "cpu"], None).keywords == {"stand_in": False}
+    probes.clear()
+    assert ab.server_starter("sglang", ["--device", "cuda"], None).keywords == {"stand_in": False}
+    assert probes == [] and capsys.readouterr().err == ""
+
+
+def test_whether_an_interpreter_finds_a_module(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from oea.bench.serve import ab
+
+    assert ab._importable(sys.executable, "json") is True
+    assert ab._importable(sys.executable, "no_such_module_oea_h9") is False
+    assert ab._importable(str(tmp_path / "no-python"), "json") is False
+    calls: list[tuple[list[str], dict[str, Any]]] = []
+
+    def run(cmd: list[str], **kw: Any) -> Any:
+        calls.append((cmd, kw))
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(ab.subprocess, "run", run)
+    assert ab._importable("/py", "sgl_kernel") is False
+    assert calls == [(["/py", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sgl_kernel') "
+                                    "is None)"], {"capture_output": True, "timeout": 120})]
+
+
+def test_running_servers_must_say_they_are_the_engine_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from oea.bench.serve import ab, client
+    from oea.bench.serve.client import Arm
+
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(client, "check_reachable", lambda url: log.append(("reach", url)))
+    monkeypatch.setattr(ab, "require_engine", lambda url, engine, **kw: log.append(("engine", url, engine, kw)))
+    arms = [Arm("a", "http://h:1"), Arm("b", "http://h:2")]
+    ab.check_running_engine(arms, None)
+    assert log == []
+    ab.check_running_engine(arms, "sglang")
+    assert log == [("reach", "http://h:1"), ("engine", "http://h:1", "sglang", {}), ("reach", "http://h:2"),
+                   ("engine", "http://h:2", "sglang", {})]
+    with pytest.raises(ValueError, match="--engine"):
+        ab.check_running_engine(arms, "trt")
