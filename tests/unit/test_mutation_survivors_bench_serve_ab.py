@@ -589,3 +589,250 @@ def test_running_servers_must_say_they_are_the_engine_given(monkeypatch: pytest.
                    ("engine", "http://h:2", "sglang", {})]
     with pytest.raises(ValueError, match="--engine"):
         ab.check_running_engine(arms, "trt")
+
+
+# ---------------------------------------------------------------- ab.py: --summarize and main
+
+
+def _row(arm: str, concurrency: int, round_index: int, tpot: float) -> dict[str, Any]:
+    return {"arm": arm, "max_concurrency": concurrency, "round": round_index, "median_tpot_ms": tpot,
+            "median_itl_ms": tpot, "mean_tpot_ms": tpot, "mean_ttft_ms": 20.0, "output_throughput": 1000.0 / tpot,
+            "loadavg": [1.0, 1.0, 1.0]}
+
+
+def _rows() -> list[dict[str, Any]]:
+    return [_row(a, 4, r, t + r) for r in range(3) for a, t in (("off", 10.0), ("k3", 8.0))]
+
+
+@pytest.mark.parametrize("extra", [["--serve-arm", "off="], ["--base-url", "http://h:1"], ["--base-url-a", "http://h:1"],
+                                   ["--arm", "a=http://h:1"], ["--output-file", "o.jsonl"], ["--", "--model", "m"],
+                                   ["--model", "m", "--", "x"]])
+def test_summarize_cannot_be_combined_with_servers(tmp_path: Path, extra: list[str]) -> None:
+    from oea.bench.serve.ab import summarized_rows
+
+    path = tmp_path / "ab.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    if extra[0] == "--model":
+        args = _args("--summarize", str(path))
+        args.vllm_args = ["x"]
+    else:
+        args = _args("--summarize", str(path), *extra)
+    with pytest.raises(ValueError) as err:
+        summarized_rows(args)
+    assert str(err.value) == ("--summarize reads an earlier run: it cannot be combined with servers, arms or "
+                              "--output-file")
+    assert summarized_rows(_args("--summarize", str(path), "--")) == _rows()
+
+
+def test_summarize_refusals_word_for_word(tmp_path: Path) -> None:
+    from oea.bench.serve.ab import summarized_rows
+
+    def refusal(path: Path) -> str:
+        with pytest.raises(ValueError) as err:
+            summarized_rows(_args("--summarize", str(path)))
+        return str(err.value)
+
+    assert refusal(tmp_path) == (f"--summarize {tmp_path} is a directory; give the JSONL file an earlier "
+                                 "--output-file wrote")
+    assert refusal(tmp_path / "none.jsonl") == f"--summarize: no such file: {tmp_path / 'none.jsonl'}"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{\n")
+    assert refusal(bad).startswith(f"--summarize: {bad} is not JSON lines written by oea bench serve (Expecting")
+    needed = "arm, max_concurrency, round, output_throughput, mean_tpot_ms, mean_ttft_ms"
+    for missing in ("arm", "max_concurrency", "round", "output_throughput", "mean_tpot_ms", "mean_ttft_ms"):
+        rows = _rows()
+        del rows[1][missing]
+        bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert refusal(bad) == f"--summarize: {bad} has no oea bench serve rows (each needs {needed})"
+    bad.write_text("\n")
+    assert refusal(bad) == f"--summarize: {bad} has no oea bench serve rows (each needs {needed})"
+
+
+class _Bench:
+    """``run_benchmark`` and ``run_restarted`` stood in: they record their arguments and return ``_rows()``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: Exception | None = None) -> None:
+        from oea.bench.serve import ab
+
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+        self.checked: list[tuple[Any, Any]] = []
+
+        def run_benchmark(arms: Any, cfg: Any, **kw: Any) -> list[dict[str, Any]]:
+            self.calls.append(("bench", (arms, cfg), kw))
+            if error is not None:
+                raise error
+            return _rows()
+
+        def run_restarted(*a: Any, **kw: Any) -> list[dict[str, Any]]:
+            self.calls.append(("restart", a, kw))
+            return _rows()
+
+        monkeypatch.setattr(ab, "run_benchmark", run_benchmark)
+        monkeypatch.setattr(ab, "run_restarted", run_restarted)
+        monkeypatch.setattr(ab, "check_running_engine", lambda arms, engine: self.checked.append((arms, engine)))
+        monkeypatch.setattr(ab.os, "getloadavg", lambda: (1.0, 2.0, 3.0))
+
+
+def test_main_runs_the_arms_and_prints_the_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+    from oea.bench.serve.client import Arm
+    from oea.bench.serve.summary import ab_summary, summarize
+
+    bench = _Bench(monkeypatch)
+    out = tmp_path / "new" / "rows.jsonl"
+    metrics = tmp_path / "k3.jsonl"
+    metrics.write_text(json.dumps(_step(0.5, routing_us=[4.0])) + "\n")
+    monkeypatch.setattr(ab.time, "sleep", lambda s: None)
+    args = _args("--arm", "off=http://h:1", "--arm", "k3=http://h:2", "--seed", "3", "--output-file", str(out),
+                 "--engine-metrics", f"k3={metrics}", "--baseline-arm", "k3", "--json", "--engine", "vllm",
+                 "--no-progress", "--")
+    assert ab.main(args) == 0  # a folder of --output-file that does not exist yet is accepted (made when written)
+    assert bench.checked == [([Arm("off", "http://h:1"), Arm("k3", "http://h:2")], "vllm")]
+    ((kind, (arms, cfg), kw),) = bench.calls
+    assert kind == "bench" and arms == bench.checked[0][0] and cfg.seed == 3
+    assert kw["output_file"] == out and kw["progress"] is False
+    row = {"arm": "k3", "start_time": 0.0, "end_time": 1.0}
+    kw["enrich"](row)
+    assert row["loadavg"] == [1.0, 2.0, 3.0] and row["engine_routing_us_per_call"] == 4.0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps({"rows": _rows(), "summary": summarize(_rows()),
+                                             "ab": ab_summary(_rows(), baseline="k3", seed=3)}))
+    assert printed["ab"][0]["arm"] == "k3"
+
+
+def test_main_without_engine_metrics_records_the_load_only(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+
+    bench = _Bench(monkeypatch)
+    assert ab.main(_args("--base-url", "http://h:1")) == 0
+    ((_, _, kw),) = bench.calls
+    assert kw["output_file"] is None and kw["progress"] is True
+    row = {"arm": "server", "start_time": 0.0, "end_time": 1.0}
+    kw["enrich"](row)
+    assert row == {"arm": "server", "start_time": 0.0, "end_time": 1.0, "loadavg": [1.0, 2.0, 3.0]}
+    assert bench.checked[0][1] is None
+    table = capsys.readouterr().out
+    assert "k3" in table and "off" in table and not table.lstrip().startswith("{")
+
+
+def test_main_reports_an_unreachable_server_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+    from oea.bench.serve.client import ServerUnreachable
+
+    _Bench(monkeypatch, error=ServerUnreachable("http://h:1: connection refused"))
+    assert ab.main(_args("--base-url", "http://h:1")) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "oea bench serve: error: http://h:1: connection refused\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--serve-arm", "off=", "--base-url", "http://h:1"],
+     "--serve-arm (restart mode) cannot be combined with --base-url/--arm"),
+    (["--serve-arm", "off=", "--base-url-a", "http://h:1", "--base-url-b", "http://h:2"],
+     "--serve-arm (restart mode) cannot be combined with --base-url/--arm"),
+    (["--serve-arm", "off=", "--arm", "a=http://h:1"], "--serve-arm (restart mode) cannot be combined with "
+                                                       "--base-url/--arm"),
+    (["--base-url", "http://h:1", "--serve-arm-args", "off=--x"],
+     "--serve-arm-args is only used with --serve-arm (restart mode)"),
+    (["--base-url", "http://h:1", "--", "--model", "m"],
+     "server arguments after '--' are only used with --serve-arm (restart mode)"),
+    ([], "give a server: --base-url URL, --base-url-a URL --base-url-b URL, --arm NAME=URL, or --serve-arm "
+         "NAME=ENV ... -- <vllm args>"),
+    (["--base-url", "http://h:1", "--engine-metrics", "k3"], "--engine-metrics must be NAME=FILE, got 'k3'"),
+])
+def test_main_refuses_before_any_request(monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str) -> None:
+    from oea.bench.serve import ab
+
+    bench = _Bench(monkeypatch)
+    with pytest.raises(ValueError) as err:
+        ab.main(_args(*argv))
+    assert str(err.value) == message and bench.calls == [] and bench.checked == []
+
+
+def test_main_checks_the_plot_and_output_file_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from oea.bench.serve import ab
+
+    bench = _Bench(monkeypatch)
+    with pytest.raises(ValueError, match="--plot"):
+        ab.main(_args("--base-url", "http://h:1", "--plot", str(tmp_path / "ab.txt")))
+    with pytest.raises(ValueError, match="--output-file"):
+        ab.main(_args("--base-url", "http://h:1", "--output-file", str(tmp_path)))
+    assert bench.calls == []
+
+
+def test_main_in_restart_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+
+    bench = _Bench(monkeypatch)
+    out = tmp_path / "runs" / "rows.jsonl"
+    args = _args("--serve-arm", "off=", "--serve-arm", "k3=OEA_K0=3", "--serve-arm-args", "k3=--spec 1",
+                 "--output-file", str(out), "--python", "/py", "--health-timeout", "7", "--server-nice", "-3",
+                 "--max-load", "4", "--load-wait", "9", "--engine", "sglang", "--rounds", "2", "--no-progress",
+                 "--", "--model-path", "m")
+    assert ab.main(args) == 0
+    ((kind, a, kw),) = bench.calls
+    assert kind == "restart"
+    assert a[:2] == ({"off": {}, "k3": {"OEA_K0": "3"}}, ["--", "--model-path", "m"])
+    assert a[2].rounds == 2 and a[3:] == (out.parent, out, "/py", 7.0)
+    assert kw == {"progress": False, "server_nice": -3, "first_round": 0, "max_load": 4.0, "load_wait": 9.0,
+                  "engine": "sglang", "arm_args": {"k3": ["--spec", "1"]}}
+    assert "k3" in capsys.readouterr().out
+    bench.calls.clear()
+    assert ab.main(_args("--serve-arm", "off=", "--engine-metrics-dir", str(tmp_path / "m"), "--", "x")) == 0
+    assert bench.calls[0][1][3] == tmp_path / "m" and bench.calls[0][1][4] is None
+    assert bench.calls[0][2]["progress"] is True and bench.calls[0][2]["arm_args"] == {}
+    bench.calls.clear()
+    monkeypatch.chdir(tmp_path)
+    assert ab.main(_args("--serve-arm", "off=", "--", "x")) == 0
+    assert bench.calls[0][1][3] == Path("oea-bench-serve")
+
+
+def test_main_extending_an_ab_summarises_every_round_in_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+
+    _Bench(monkeypatch)
+    out = tmp_path / "rows.jsonl"
+    earlier = [_row("off", 4, 9, 50.0), _row("k3", 4, 9, 5.0)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    assert ab.main(_args("--serve-arm", "off=", "--first-round", "9", "--output-file", str(out), "--json",
+                         "--", "x")) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == earlier  # the file's rows, not only this run's
+    assert ab.main(_args("--serve-arm", "off=", "--first-round", "9", "--json", "--", "x")) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == _rows()
+
+
+def test_main_plots_with_a_title_of_the_request_mix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from oea.bench.serve import ab, summary
+
+    _Bench(monkeypatch)
+    plots: list[tuple[Any, str, str]] = []
+    monkeypatch.setattr(summary, "plot_ab", lambda ab_rows, path, title: plots.append((ab_rows, path, title)))
+    ab.main(_args("--base-url", "http://h:1", "--plot", str(tmp_path / "a.png"), "--random-input-len", "64",
+                  "--random-output-len", "32", "--text-input-chars", "99", "--seed", "2", "--baseline-arm", "k3"))
+    ab.main(_args("--base-url", "http://h:1", "--plot", str(tmp_path / "b.png"), "--dataset", "text",
+                  "--text-input-chars", "99", "--random-input-len", "64", "--random-output-len", "32"))
+    path = tmp_path / "ab.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    ab.main(_args("--summarize", str(path), "--plot", str(tmp_path / "c.png")))
+    assert [(p[1], p[2]) for p in plots] == [(str(tmp_path / "a.png"), "random in=64 out=32 tokens"),
+                                             (str(tmp_path / "b.png"), "text in=99 chars out=32 tokens"),
+                                             (str(tmp_path / "c.png"), "ab.jsonl")]
+    assert plots[0][0] == summary.ab_summary(_rows(), baseline="k3", seed=2)
+    assert plots[2][0] == summary.ab_summary(_rows(), baseline=None, seed=0)
+
+
+def test_main_summarize_writes_nothing_and_needs_no_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+
+    bench = _Bench(monkeypatch)
+    path = tmp_path / "ab.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    assert ab.main(_args("--summarize", str(path), "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == _rows()
+    assert bench.calls == [] and bench.checked == [] and sorted(tmp_path.iterdir()) == [path]
