@@ -10,16 +10,20 @@ engine, no network, no timing."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from oea.soak import session
+from oea.soak import servers, session
 from oea.soak.checks import Check
 from oea.soak.monitor import ServerInfo, SoakError
 from oea.soak.runner import SoakConfig
@@ -432,3 +436,207 @@ def test_sglang_numbering_counts_a_missing_rank_as_rank_0_and_separates_processe
     numbered = trace_numbered(rows, "vllm")
     assert numbered == rows and numbered is not rows
     assert trace_numbered(rows, "SGLANG") == rows
+
+
+# -- servers: the arms, the server arguments, the interpreter --------------------------------------------------------
+
+def test_an_arms_k0_is_its_oea_k0_and_its_environment_its_own() -> None:
+    assert Arm("a", {"OEA_K0": "3"}).k0 == 3
+    assert Arm("a", {"OEA_K0": ""}).k0 is None and Arm("a").k0 is None
+    first, second = Arm("a"), Arm("b")
+    first.env["X"] = "1"
+    assert second.env == {} and (second.server, second.base_url) == (None, None)
+
+
+def test_arms_are_parsed_with_unique_names_and_a_k0_of_at_least_1() -> None:
+    arms = servers.parse_arms(["off=", "oea=OEA_K0=1 OEA_METRICS_FILE=m.jsonl", "wide=OEA_K0=' 12'"])
+    assert [(a.name, a.env) for a in arms] == [("off", {}), ("oea", {"OEA_K0": "1", "OEA_METRICS_FILE": "m.jsonl"}),
+                                               ("wide", {"OEA_K0": " 12"})]
+    with pytest.raises(SoakError) as err:
+        servers.parse_arms(["noname"])
+    assert str(err.value) == ("--arm must be NAME=ENV (ENV: space-separated VAR=VALUE, may be empty), got 'noname'")
+    with pytest.raises(SoakError) as err:
+        servers.parse_arms(["a=", "b=", "a=X=1"])
+    assert str(err.value) == "--arm names must be unique, got 'a' twice"
+    for k0 in ("0", "-1", "x", "", "1.5"):
+        with pytest.raises(SoakError) as err:
+            servers.parse_arms([f"a=OEA_K0='{k0}'"])
+        assert str(err.value) == f"--arm a: OEA_K0 must be an integer >= 1, got {k0!r}"
+
+
+def test_server_arguments_must_bind_loopback_and_name_a_port() -> None:
+    for host in ([], ["--host", "127.0.0.1"], ["--host", "localhost"], ["--host=::1"]):
+        servers.check_engine_args([*host, "--port", "1"])
+    with pytest.raises(SoakError) as err:
+        servers.check_engine_args(["--host", "0.0.0.0", "--port", "1"])
+    assert str(err.value) == ("--host 0.0.0.0: the soak's servers bind 127.0.0.1 only (they get malformed and aborted "
+                              "requests); drop --host")
+    with pytest.raises(SoakError) as err:
+        servers.check_engine_args(["--model", "m"])
+    assert str(err.value) == "give the server a --port after '--' (e.g. -- --model DIR --port 8077)"
+
+
+def test_an_unknown_engine_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(SoakError) as err:
+        servers.engine_of([], "trt")
+    assert str(err.value) == "--engine must be one of vllm, sglang, got 'trt'"
+    assert servers.engine_of(["--model-path", "m"], "vllm") == "vllm"
+    assert servers.engine_of(["--model-path", "m"]) == "sglang"
+
+
+def test_the_interpreter_is_named_from_any_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert servers.interpreter(None) == sys.executable
+    assert servers.interpreter("python3") == "python3"
+    assert servers.interpreter(os.path.join("venv", "bin", "python")) == str(tmp_path / "venv" / "bin" / "python")
+
+
+def test_an_sglang_cpu_server_needs_the_stand_in_when_its_interpreter_lacks_sgl_kernel(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert servers.needs_stand_in(["--device", "cuda"], "/nonexistent/python") is False
+    assert servers.needs_stand_in([], "/nonexistent/python") is False
+    assert servers.needs_stand_in(["--device", "cpu"], str(tmp_path / "no-python")) is True  # OSError
+    has = importlib.util.find_spec("sgl_kernel") is not None
+    assert servers.needs_stand_in(["--device", "cpu"], sys.executable) is (not has)
+    calls: list[tuple[Any, ...]] = []
+
+    def run(args: list[str], **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        if args[0] == "slow":
+            raise subprocess.TimeoutExpired(args, 120)
+        return SimpleNamespace(returncode=0 if args[0] == "has" else 1)
+
+    monkeypatch.setattr(servers.subprocess, "run", run)
+    assert servers.needs_stand_in(["--device", "cpu"], "has") is False
+    assert servers.needs_stand_in(["--device", "cpu"], "lacks") is True
+    assert servers.needs_stand_in(["--device", "cpu"], "slow") is True
+    assert calls[0] == (["has", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sgl_kernel') "
+                                      "is None)"], {"capture_output": True, "timeout": 120})
+
+
+# -- servers: start, wait, stop, the process group ------------------------------------------------------------------
+
+class Launcher:
+    """``oea.launch``'s start, wait and stop functions stood in, each call recorded."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        monkeypatch.setattr("oea.launch.vllm.start_server", self.start_vllm)
+        monkeypatch.setattr("oea.launch.sglang_server.start_server", self.start_sglang)
+        monkeypatch.setattr("oea.launch.vllm.wait_healthy", self.wait_healthy)
+        monkeypatch.setattr("oea.launch.vllm.stop_server", self.stop_server)
+        monkeypatch.setattr(servers, "needs_stand_in", lambda args, python: ("stand-in?", tuple(args), python))
+
+    def start_vllm(self, args: list[str], env: dict[str, str], **kwargs: Any) -> Any:
+        self.calls.append(("vllm", args, env, kwargs))
+        return SimpleNamespace(base_url="http://127.0.0.1:1")
+
+    def start_sglang(self, args: list[str], env: dict[str, str], **kwargs: Any) -> Any:
+        self.calls.append(("sglang", args, env, kwargs))
+        return SimpleNamespace(base_url="http://127.0.0.1:2")
+
+    def wait_healthy(self, server: Any, **kwargs: Any) -> None:
+        self.calls.append(("wait", server, kwargs))
+
+    def stop_server(self, server: Any) -> int:
+        self.calls.append(("stop", server))
+        return 3
+
+
+def test_a_started_server_gets_the_arms_variables_on_this_environment_without_oea(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    launcher = Launcher(monkeypatch)
+    for name, value in (("OEA_K0", "5"), ("SGLANG_OEA_K0", "5"), ("OEA_METRICS_FILE", "x"), ("KEEP_ME", "1"),
+                        ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    arm = Arm("a", {"OEA_K0": "3", "Y": "2"})
+    logs = tmp_path / "logs" / "deep"
+    leak = servers.start(arm, ["--port", "1"], "bin/py", logs, nice=5)
+    assert leak == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"} and logs.is_dir()
+    (kind, args, env, kwargs), = launcher.calls
+    assert (kind, args) == ("vllm", ["--port", "1"])
+    assert kwargs == {"python": str(tmp_path / "bin" / "py"), "log_path": logs / "a.log", "nice": 5}
+    assert env["KEEP_ME"] == "1" and env["Y"] == "2" and env["OEA_K0"] == "3"
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    assert "OEA_METRICS_FILE" not in env and "SGLANG_OEA_K0" not in env
+    assert arm.server is not None and arm.base_url == "http://127.0.0.1:1"
+
+
+def test_the_leak_check_variables_yield_to_the_arms_and_to_keep_engine_caches(monkeypatch: pytest.MonkeyPatch,
+                                                                              tmp_path: Path) -> None:
+    launcher = Launcher(monkeypatch)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    own = Arm("a", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "7"})
+    assert servers.start(own, ["--port", "1"], None, tmp_path) == {}
+    assert launcher.calls[-1][2]["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
+    assert launcher.calls[-1][3]["python"] == sys.executable and launcher.calls[-1][3]["nice"] is None
+    assert servers.start(Arm("b", {}), ["--port", "1"], None, tmp_path, keep_engine_caches=True) == {}
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in launcher.calls[-1][2]
+
+
+def test_an_sglang_arm_starts_sglangs_launcher_with_the_stand_in_when_needed(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    launcher = Launcher(monkeypatch)
+    arm = Arm("s", {})
+    args = ["--port", "1", "--device", "cpu"]
+    servers.start(arm, args, "python3", tmp_path, nice=3, engine="sglang")
+    (kind, given, _env, kwargs), = launcher.calls
+    assert (kind, given) == ("sglang", args) and given is not args
+    assert kwargs == {"python": "python3", "log_path": tmp_path / "s.log", "nice": 3,
+                      "stand_in": ("stand-in?", tuple(args), "python3")}
+    assert arm.base_url == "http://127.0.0.1:2"
+
+
+def test_a_server_on_a_public_host_is_never_started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    launcher = Launcher(monkeypatch)
+    with pytest.raises(SoakError, match="--host"):
+        servers.start(Arm("a", {}), ["--host", "0.0.0.0", "--port", "1"], None, tmp_path / "logs")
+    assert launcher.calls == [] and not (tmp_path / "logs").exists()
+
+
+def test_wait_and_stop_hand_the_arms_server_to_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = Launcher(monkeypatch)
+    server = SimpleNamespace()
+    servers.wait(Arm("a", server=server), 12.5)
+    assert servers.stop(Arm("a", server=server)) == 3
+    assert servers.stop(Arm("b")) is None
+    assert launcher.calls == [("wait", server, {"timeout": 12.5}), ("stop", server)]
+
+
+def test_the_process_group_is_the_servers_while_it_runs() -> None:
+    assert servers.process_group(Arm("a")) is None
+    me = Arm("a", server=SimpleNamespace(process=SimpleNamespace(pid=os.getpid())))
+    assert servers.process_group(me) == os.getpgid(0)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)  # reaped: its pid names no process
+    assert servers.process_group(Arm("a", server=SimpleNamespace(process=child))) is None
+
+
+# -- servers: the model folder and its router shape ----------------------------------------------------------------
+
+def test_the_model_folder_is_vllms_model_or_sglangs_model_path() -> None:
+    assert servers.model_arg(["--model", "/m", "--model-path", "/p"]) == "/m"
+    assert servers.model_arg(["--model-path", "/p"]) == "/p"
+    assert servers.model_arg(None) is None and servers.model_arg([]) is None
+
+
+def test_the_router_shape_is_read_from_config_json(tmp_path: Path) -> None:
+    def shape(config: Any) -> Any:
+        (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        return servers.router_shape(str(tmp_path))
+
+    assert shape({"num_experts": 16, "num_experts_per_tok": 4}) == (16, 4)
+    assert shape({"num_local_experts": 8, "num_experts_per_tok": 2}) == (8, 2)
+    assert shape({"n_routed_experts": 64, "num_experts_per_tok": 6}) == (64, 6)
+    every = {"num_experts": 16, "num_local_experts": 8, "n_routed_experts": 4, "num_experts_per_tok": 2}
+    assert shape(every) == (16, 2)
+    assert shape({"num_local_experts": 8, "n_routed_experts": 4, "num_experts_per_tok": 2}) == (8, 2)
+    assert shape({"text_config": {"num_experts": 32, "num_experts_per_tok": 4}, "num_experts": 1}) == (32, 4)
+    assert shape({"num_experts": 16}) is None
+    assert shape({"num_experts_per_tok": 4}) is None
+    assert shape({"num_experts": "16", "num_experts_per_tok": 4}) is None
+    assert shape({"num_experts": 16, "num_experts_per_tok": 4.0}) is None
+    assert shape("{not json") is None
+    assert servers.router_shape(str(tmp_path / "missing")) is None
+    assert servers.router_shape(None) is None and servers.router_shape("") is None
