@@ -698,7 +698,7 @@ def test_main_runs_the_arms_and_prints_the_json(monkeypatch: pytest.MonkeyPatch,
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(json.dumps({"rows": _rows(), "summary": summarize(_rows()),
                                              "ab": ab_summary(_rows(), baseline="k3", seed=3)}))
-    assert printed["ab"][0]["arm"] == "k3"
+    assert [(e["arm"], e["baseline"]) for e in printed["ab"]] == [("off", "k3"), ("k3", "k3")]
 
 
 def test_main_without_engine_metrics_records_the_load_only(monkeypatch: pytest.MonkeyPatch,
