@@ -189,10 +189,12 @@ def _router(layer_id: Any, num_experts: int = 4, **fields: Any) -> SimpleNamespa
 def test_a_layer_field_holds_only_the_layers_where_it_is_set() -> None:
     field = placement._LayerField("ep_detail", "")
     set_a, _ = _router(0, ep_detail="read"), _router(1)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as unset:
         field[1]
-    with pytest.raises(KeyError):
+    assert unset.value.args == (1,)  # the missing key, as a mapping names it
+    with pytest.raises(KeyError) as missing:
         field[7]  # no such layer
+    assert missing.value.args == (7,) and field.get(7, "default") == "default" and 1 not in field
     assert field[0] == "read" and list(field) == [0] and len(field) == 1
     field[1] = "why not"
     assert STATE.routers[1].ep_detail == "why not" and list(field) == [0, 1] and len(field) == 2
