@@ -695,9 +695,10 @@ def test_main_runs_the_arms_and_prints_the_json(monkeypatch: pytest.MonkeyPatch,
     row = {"arm": "k3", "start_time": 0.0, "end_time": 1.0}
     kw["enrich"](row)
     assert row["loadavg"] == [1.0, 2.0, 3.0] and row["engine_routing_us_per_call"] == 4.0
-    printed = json.loads(capsys.readouterr().out)
-    assert printed == json.loads(json.dumps({"rows": _rows(), "summary": summarize(_rows()),
-                                             "ab": ab_summary(_rows(), baseline="k3", seed=3)}))
+    text = capsys.readouterr().out
+    assert text == json.dumps({"rows": _rows(), "summary": summarize(_rows()),
+                               "ab": ab_summary(_rows(), baseline="k3", seed=3)}, indent=1) + "\n"
+    printed = json.loads(text)
     assert [(e["arm"], e["baseline"]) for e in printed["ab"]] == [("off", "k3"), ("k3", "k3")]
 
 
@@ -758,8 +759,12 @@ def test_main_checks_the_plot_and_output_file_first(monkeypatch: pytest.MonkeyPa
     bench = _Bench(monkeypatch)
     with pytest.raises(ValueError, match="--plot"):
         ab.main(_args("--base-url", "http://h:1", "--plot", str(tmp_path / "ab.txt")))
-    with pytest.raises(ValueError, match="--output-file"):
+    with pytest.raises(ValueError) as err:
         ab.main(_args("--base-url", "http://h:1", "--output-file", str(tmp_path)))
+    assert str(err.value) == f"--output-file {tmp_path}: is a folder; give a file name"
+    with pytest.raises(ValueError) as err:
+        ab.main(_args("--base-url", "http://h:1", "--plot", str(tmp_path)))
+    assert str(err.value) == f"--plot {tmp_path}: is a folder; give a file name"
     assert bench.calls == []
 
 
