@@ -289,6 +289,15 @@ def test_off_is_judged_only_among_arms_whose_memory_is_watched(monkeypatch: pyte
     assert across == [("across_arms", "off", ["oea", "off"], [], None)]
 
 
+def test_the_baseline_is_the_off_arm_when_it_runs_with_oea_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    stage = Stage(monkeypatch)
+    arms = [Arm("first", {}), Arm("oea", {"OEA_K0": "3"}), Arm("second", {})]
+    assert session.run(arms, CFG, baseline="second")["off"] == "second"
+    assert [c[4] for c in stage.calls if c[0] == "across_arms"] == ["second"]
+    assert session.run([Arm("first", {}), Arm("oea", {"OEA_K0": "3"}), Arm("second", {})], CFG,
+                       baseline="oea")["off"] == "first"
+
+
 def test_the_verdict_counts_only_checks_that_are_part_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
     arms = [Arm("a", {}, base_url="http://127.0.0.1:9/a")]
     Stage(monkeypatch, held={"a": (False, False)})
