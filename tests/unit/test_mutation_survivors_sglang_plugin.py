@@ -406,5 +406,8 @@ def test_each_layer_met_in_a_capture_or_of_another_size_is_said_and_one_reason_o
         location.meta = _meta(TWO_RANKS, ep=1)
         for layer in (2, 3):
             assert placement.ep_config(_router(layer), CFG) is CFG
+        location.meta = _meta(TWO_RANKS)
+        for layer in (5, 6):  # outside the metadata: a reason of its own each
+            assert placement.ep_config(_router(layer), CFG) is CFG
     assert [w.removeprefix("oea: OEA_POLICY=ep: layer ").split(" ", 2)[:2] for w in _warnings(caplog)] == [
-        ["0", "was"], ["1", "was"], ["0", "routes"], ["1", "routes"], ["2", "keeps"]]
+        ["0", "was"], ["1", "was"], ["0", "routes"], ["1", "routes"], ["2", "keeps"], ["5", "keeps"], ["6", "keeps"]]
