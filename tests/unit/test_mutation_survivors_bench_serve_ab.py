@@ -841,3 +841,13 @@ def test_main_summarize_writes_nothing_and_needs_no_server(monkeypatch: pytest.M
     assert ab.main(_args("--summarize", str(path), "--json")) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == _rows()
     assert bench.calls == [] and bench.checked == [] and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_summarize_accepts_rows_with_exactly_the_needed_fields(tmp_path: Path) -> None:
+    from oea.bench.serve.ab import summarized_rows
+
+    row = {"arm": "off", "max_concurrency": 1, "round": 0, "output_throughput": 10.0, "mean_tpot_ms": 5.0,
+           "mean_ttft_ms": 20.0}
+    path = tmp_path / "ab.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    assert summarized_rows(_args("--summarize", str(path))) == [row]
