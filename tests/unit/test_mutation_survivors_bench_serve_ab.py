@@ -327,14 +327,15 @@ def test_the_engine_summary_of_speculative_steps_and_of_nothing() -> None:
     from oea.bench.serve.ab import engine_summary
 
     rows = [_step(1.0, decode=False, verify=True, oea=True, tokens_per_request=[1, 3]),
-            _step(2.0, decode=False, verify=True, oea=False, tokens_per_request=[4]),
+            _step(2.0, decode=False, verify=True, oea=True, tokens_per_request=[4]),
+            _step(2.5, decode=False, verify=True, oea=False),
             _step(3.0, decode=True, verify=False, oea=True),
             _step(4.0, decode=True, verify=False, oea=0, tokens_per_request=[]),
             _step(5.0, decode=False, verify=False, oea=True, tokens_per_request=[50])]
     out = engine_summary(rows, 0.0, 10.0)
     assert math.isnan(out.pop("engine_routing_us_per_call")) and math.isnan(out.pop("engine_routing_us_median"))
-    assert out == {"engine_decode_steps": 4, "engine_active_experts": 2, "engine_mean_decode_rows": 2,
-                   "engine_verify_steps": 2, "engine_verify_steps_rewritten": 1, "engine_decode_steps_rewritten": 1,
+    assert out == {"engine_decode_steps": 5, "engine_active_experts": 2, "engine_mean_decode_rows": 2,
+                   "engine_verify_steps": 3, "engine_verify_steps_rewritten": 2, "engine_decode_steps_rewritten": 1,
                    "engine_mean_tokens_per_request": 3.0}
     plain = engine_summary([_step(1.0, verify=False, oea=True)], 0.0, 10.0)
     assert "engine_mean_tokens_per_request" not in plain and plain["engine_verify_steps"] == 0
@@ -851,3 +852,10 @@ def test_summarize_accepts_rows_with_exactly_the_needed_fields(tmp_path: Path) -
     path = tmp_path / "ab.jsonl"
     path.write_text(json.dumps(row) + "\n")
     assert summarized_rows(_args("--summarize", str(path))) == [row]
+
+
+def test_a_decode_step_period_under_a_millisecond_counts() -> None:
+    from oea.bench.serve.ab import engine_summary
+
+    out = engine_summary([_step(1.0, pid=1, step=1), _step(1.0005, pid=1, step=2)], 0.0, 10.0)
+    assert out["engine_step_ms_median"] == pytest.approx(0.5)
