@@ -27,6 +27,8 @@ import torch
 from sglang_stand_ins import fresh_state, stand_in_module
 
 import oea.integrations.sglang.placement as placement
+import oea.integrations.sglang.plugin as plugin_entry
+import oea.integrations.sglang.targets as sglang_targets
 from oea.config import settings_from_env
 from oea.integrations.sglang.state import STATE
 from oea.routing import EPOEAConfig, OEAConfig
@@ -411,3 +413,122 @@ def test_each_layer_met_in_a_capture_or_of_another_size_is_said_and_one_reason_o
             assert placement.ep_config(_router(layer), CFG) is CFG
     assert [w.removeprefix("oea: OEA_POLICY=ep: layer ").split(" ", 2)[:2] for w in _warnings(caplog)] == [
         ["0", "was"], ["1", "was"], ["0", "routes"], ["1", "routes"], ["2", "keeps"], ["5", "keeps"], ["6", "keeps"]]
+
+
+# -- plugin.py -----------------------------------------------------------------------------------------------------
+
+def test_the_routing_forwards_are_forward_and_every_forward_star_method_sorted() -> None:
+    topk = type("TopK", (), {"forward_cuda": None, "forward": None, "forwarding": None, "_forward_x": None,
+                             "forward_": None, "backward": None})
+    assert plugin_entry.routing_forwards(topk) == ("forward", "forward_", "forward_cuda")
+
+
+def test_an_out_of_tree_forward_for_a_topk_class_is_a_bypass_naming_its_platform(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    module = stand_in_module(monkeypatch, sglang_targets.TOPK_MODULE)
+
+    def forward_npu(self: Any) -> None:
+        pass
+
+    module.TopK = type("TopK", (), {"forward": lambda self: None, "forward_cuda": lambda self: None,
+                                    "__module__": sglang_targets.TOPK_MODULE})
+    other = type("Other", (), {})
+    module.TopK._oot_forward_registry = {"npu": {module.TopK: forward_npu, other: forward_npu, "x": forward_npu},
+                                         "cpu": "not a table"}
+    found, looked_at = plugin_entry.topk_bypasses()
+    assert [(b.router, b.method, b.hook) for b in found] == [
+        (f"{sglang_targets.TOPK_MODULE}.TopK", "forward", f"{sglang_targets.TOPK_MODULE}.TopK.forward")]
+    assert found[0].found == (f"{forward_npu.__qualname__}, an out-of-tree forward for platform 'npu'")
+    assert looked_at.startswith("forward and 1 forward_* methods of ")
+    module.TopK._oot_forward_registry = ["not a dict"]
+    assert plugin_entry.topk_bypasses()[0] == []
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), (" Yes ", True), ("anything", True), ("", False),
+                                           ("0", False), ("FALSE", False), ("no", False), (" off ", False)])
+def test_an_sglang_flag_is_on_unless_empty_0_false_no_or_off(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                             on: bool) -> None:
+    monkeypatch.setenv("OEA_TEST_FLAG", value)
+    assert plugin_entry._env_flag("OEA_TEST_FLAG") is on
+    monkeypatch.delenv("OEA_TEST_FLAG")
+    assert plugin_entry._env_flag("OEA_TEST_FLAG") is False
+
+
+def test_sglangs_simulated_routing_keeps_oea_out_naming_the_variables(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    for name in sglang_targets.SIMULATION_VARIABLES:
+        monkeypatch.setenv(name, "1")
+    with caplog.at_level(logging.WARNING):
+        assert plugin_entry.install(settings_from_env({"OEA_K0": "2"})) == []
+    assert STATE.settings is None
+    assert _warnings(caplog) == [f"oea: {', '.join(sglang_targets.SIMULATION_VARIABLES)} overrides routing; OEA is "
+                                 "not installed"]
+
+
+def test_an_sglang_without_the_hook_registry_serves_without_oea_saying_so(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    for name in sglang_targets.SIMULATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", None)
+    with caplog.at_level(logging.WARNING):
+        assert plugin_entry.install(settings_from_env({"OEA_K0": "2"})) == []
+    [said] = _warnings(caplog)
+    assert said.startswith("oea: SGLang has no plugin HookRegistry (")
+    assert said.endswith(f"); supported versions: {sglang_targets.SUPPORTED_VERSIONS}. Serving without OEA.")
+    assert STATE.settings.oea.k0 == 2 and STATE.installed_targets == ()
+
+
+@pytest.mark.parametrize(("value", "flag"), [("true", True), (" YES ", True), ("y", True), ("1", True),
+                                             ("", False), ("false", False), ("0", False), ("n", False),
+                                             ("No", False)])
+def test_deterministic_inference_is_read_as_sglangs_envbool(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                            flag: bool) -> None:
+    monkeypatch.setenv(sglang_targets.DETERMINISTIC_VARIABLE, value)
+    assert plugin_entry.deterministic_setting() == (sglang_targets.DETERMINISTIC_FLAG if flag else None)
+
+
+def test_a_deterministic_value_sglang_cannot_parse_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sglang_targets.DETERMINISTIC_VARIABLE, " Maybe ")
+    with pytest.raises(ValueError) as err:
+        plugin_entry.deterministic_setting()
+    assert str(err.value) == (f"{sglang_targets.DETERMINISTIC_VARIABLE} must be a boolean as SGLang reads it "
+                              "(true/1/yes/y or false/0/no/n), got 'maybe'")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_deterministic_inference_published_by_sglang_is_read_first(monkeypatch: pytest.MonkeyPatch,
+                                                                   enabled: bool) -> None:
+    monkeypatch.setenv(sglang_targets.DETERMINISTIC_VARIABLE, "maybe")  # never read: SGLang published its setting
+    _runtime(monkeypatch, SimpleNamespace(attn_dp_size=1), None)
+    sys.modules[RUNTIME].get_exec = lambda: SimpleNamespace(
+        deterministic=SimpleNamespace(enable_deterministic_inference=enabled))
+    assert plugin_entry.deterministic_setting() == (sglang_targets.DETERMINISTIC_FLAG if enabled else None)
+
+
+def test_sglangs_own_deterministic_flag_is_read_before_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sglang_targets.DETERMINISTIC_VARIABLE, "maybe")
+    environ = stand_in_module(monkeypatch, "sglang.srt.environ")
+    environ.envs = SimpleNamespace(SGLANG_ENABLE_DETERMINISTIC_INFERENCE=SimpleNamespace(get=lambda: True))
+    assert plugin_entry.deterministic_setting() == sglang_targets.DETERMINISTIC_FLAG
+    environ.envs = SimpleNamespace(SGLANG_ENABLE_DETERMINISTIC_INFERENCE=SimpleNamespace(get=lambda: False))
+    assert plugin_entry.deterministic_setting() is None
+
+
+def test_an_around_patch_hands_the_hook_the_original_and_every_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = stand_in_module(monkeypatch, "oea_test_around_source")
+    source.compute = lambda x, y=1: x * 10 + y
+
+    def around(original: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs) + 1000
+
+    plugin_entry._patch("oea_test_around_source.compute", around, "AROUND")
+    assert source.compute(3, y=4) == 1034 and source.compute.__wrapped__(3) == 31
+
+
+def test_a_before_hook_returning_none_keeps_the_call_and_a_class_is_patched_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    source = stand_in_module(monkeypatch, "oea_test_before_source")
+    seen = []
+    source.Owner = type("Owner", (), {"compute": lambda self, x: x + 1})
+    plugin_entry._patch("oea_test_before_source.Owner.compute", lambda *a, **k: seen.append((a[1:], k)), "BEFORE")
+    assert source.Owner().compute(x=2) == 3 and seen == [((), {"x": 2})]
