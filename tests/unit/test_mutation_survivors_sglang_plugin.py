@@ -532,3 +532,54 @@ def test_a_before_hook_returning_none_keeps_the_call_and_a_class_is_patched_in_p
     source.Owner = type("Owner", (), {"compute": lambda self, x: x + 1})
     plugin_entry._patch("oea_test_before_source.Owner.compute", lambda *a, **k: seen.append((a[1:], k)), "BEFORE")
     assert source.Owner().compute(x=2) == 3 and seen == [((), {"x": 2})]
+
+
+def _registry(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, Any]]:
+    """SGLang's ``HookRegistry`` (0.5.12+): what ``install`` registers."""
+    registered: list[tuple[str, Any, Any]] = []
+    module = stand_in_module(monkeypatch, "sglang.srt.plugins.hook_registry")
+    stand_in_module(monkeypatch, "sglang.srt.plugins")
+    module.HookType = SimpleNamespace(BEFORE="BEFORE", AROUND="AROUND", AFTER="AFTER", REPLACE="REPLACE")
+    module.HookRegistry = SimpleNamespace(register=lambda *args: registered.append(args))
+    return registered
+
+
+@pytest.mark.parametrize(("env", "what"), [
+    ({"OEA_K0": "2", "OEA_MIN_BATCH": "3"}, "OEA k0=2 min_batch=3"),
+    ({"OEA_METRICS_FILE": "/dev/null"}, "observe (SGLang's routing, recorded or counted)"),
+])
+def test_install_says_what_it_registered_where(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                               env: dict[str, str], what: str) -> None:
+    for name in sglang_targets.SIMULATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    registered = _registry(monkeypatch)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        targets = plugin_entry.install(settings_from_env(env))
+    assert targets == [target for target, _, _ in registered] and STATE.layers is not None
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        f"oea: {what} registered on {', '.join(targets)}"]
+
+
+def test_register_without_anything_to_do_says_sglangs_routing_is_unchanged(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    for name in ("OEA_METRICS_FILE", "OEA_TIMING", sglang_targets.DETERMINISTIC_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        plugin_entry.register()
+    assert STATE.settings is None
+    assert [r.getMessage() for r in caplog.records] == ["oea: OEA_K0 unset; SGLang routing unchanged"]
+
+
+def test_deterministic_inference_keeps_sglangs_routing_in_every_entry_point(monkeypatch: pytest.MonkeyPatch,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    for name in sglang_targets.SIMULATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(sglang_targets.DETERMINISTIC_VARIABLE, "1")
+    monkeypatch.setenv("OEA_K0", "2")
+    _registry(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        plugin_entry.register()
+        assert STATE.settings is None  # nothing else to do: not installed
+        plugin_entry.install(settings_from_env({"OEA_K0": "2"}))
+        assert STATE.settings.oea is None
+    assert len([w for w in _warnings(caplog) if sglang_targets.DETERMINISTIC_FLAG in w]) == 1
