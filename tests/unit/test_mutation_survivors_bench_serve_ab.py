@@ -859,3 +859,16 @@ def test_a_decode_step_period_under_a_millisecond_counts() -> None:
 
     out = engine_summary([_step(1.0, pid=1, step=1), _step(1.0005, pid=1, step=2)], 0.0, 10.0)
     assert out["engine_step_ms_median"] == pytest.approx(0.5)
+
+
+def test_main_summarises_with_the_seed_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from oea.bench.serve import ab
+    from oea.bench.serve.summary import ab_summary
+
+    rows = [_row(a, 4, r, t * (1.0 + 0.37 * ((r * 7 + len(a)) % 11) / 10)) for r in range(12)
+            for a, t in (("off", 10.0), ("k3", 8.0))]
+    path = tmp_path / "ab.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ab_summary(rows, seed=7) != ab_summary(rows, seed=0)  # the bootstrap's intervals follow the seed
+    assert ab.main(_args("--summarize", str(path), "--seed", "7", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["ab"] == json.loads(json.dumps(ab_summary(rows, seed=7)))
