@@ -400,7 +400,7 @@ class _Restart:
 
             (arm,) = arms
             self.log.append(("bench", arm.name, arm.base_url, cfg.rounds, cfg.seed, progress))
-            if arm.name == self.fail_arm:
+            if self.fail_arm is not None and arm.name == self.fail_arm:
                 signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
             row = {"arm": arm.name, "start_time": 0.0, "end_time": 1.0}
             enrich(row)
