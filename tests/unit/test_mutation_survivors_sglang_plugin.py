@@ -15,6 +15,7 @@ never inside a capture, again when SGLang replaces its metadata, and refused whe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import types
@@ -583,3 +584,26 @@ def test_deterministic_inference_keeps_sglangs_routing_in_every_entry_point(monk
         plugin_entry.install(settings_from_env({"OEA_K0": "2"}))
         assert STATE.settings.oea is None
     assert len([w for w in _warnings(caplog) if sglang_targets.DETERMINISTIC_FLAG in w]) == 1
+
+
+def test_a_topk_without_an_out_of_tree_registry_and_a_forward_without_a_qualname(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    module = stand_in_module(monkeypatch, sglang_targets.TOPK_MODULE)
+    module.TopK = type("TopK", (), {"forward": lambda self: None, "__module__": sglang_targets.TOPK_MODULE})
+    assert plugin_entry.topk_bypasses()[0] == []  # an SGLang before register_oot_forward
+    forward = functools.partial(print)
+    module.TopK._oot_forward_registry = {"npu": {module.TopK: forward}}
+    [found] = plugin_entry.topk_bypasses()[0]
+    assert found.found == f"{forward!r}, an out-of-tree forward for platform 'npu'"
+
+
+def test_a_layer_file_that_cannot_be_read_leaves_no_layer_configs(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Any) -> None:
+    for name in sglang_targets.SIMULATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    STATE.layers = object()
+    bad = tmp_path / "k0.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError):
+        plugin_entry.install(settings_from_env({"OEA_K0": "2", "OEA_LAYER_K0_FILE": str(bad)}))
+    assert STATE.layers is None
