@@ -607,3 +607,30 @@ def test_a_layer_file_that_cannot_be_read_leaves_no_layer_configs(monkeypatch: p
     with pytest.raises(ValueError):
         plugin_entry.install(settings_from_env({"OEA_K0": "2", "OEA_LAYER_K0_FILE": str(bad)}))
     assert STATE.layers is None
+
+
+@pytest.mark.parametrize(("env", "loaded", "warned"), [
+    ({"OEA_K0": "2"}, True, True),
+    ({"OEA_K0": "2"}, False, False),  # no TopK module yet: no subclass of it either
+    ({"OEA_METRICS_FILE": "/dev/null"}, True, False),  # observing only: SGLang's routing is what is observed
+])
+def test_register_installs_and_warns_of_a_substituted_topk_only_with_oea(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, env: dict[str, str], loaded: bool,
+        warned: bool) -> None:
+    for name in (*sglang_targets.SIMULATION_VARIABLES, "OEA_METRICS_FILE", "OEA_TIMING",
+                 sglang_targets.DETERMINISTIC_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    registered = _registry(monkeypatch)
+    if loaded:
+        module = stand_in_module(monkeypatch, sglang_targets.TOPK_MODULE)
+        module.TopK = type("TopK", (), {"forward": lambda self: None, "__module__": sglang_targets.TOPK_MODULE})
+        module.MyTopK = type("MyTopK", (module.TopK,), {"forward": lambda self: None,  # kept: a live subclass
+                                                        "__module__": "oea_test_substitute"})
+    else:
+        monkeypatch.delitem(sys.modules, sglang_targets.TOPK_MODULE, raising=False)
+    with caplog.at_level(logging.WARNING):
+        plugin_entry.register()
+    assert registered and STATE.installed_targets
+    assert any("oea_test_substitute.MyTopK" in w for w in _warnings(caplog)) is warned
