@@ -634,3 +634,23 @@ def test_register_installs_and_warns_of_a_substituted_topk_only_with_oea(
         plugin_entry.register()
     assert registered and STATE.installed_targets
     assert any("oea_test_substitute.MyTopK" in w for w in _warnings(caplog)) is warned
+
+
+def test_register_says_an_unknown_oea_variable_in_sglangs_log(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    import oea.config.unknown as unknown
+
+    monkeypatch.setattr(unknown, "_warned", set())
+    monkeypatch.setenv("OEA_K00", "3")
+    with caplog.at_level(logging.WARNING):
+        plugin_entry.register()
+    assert any("OEA_K00" in w for w in _warnings(caplog))
+
+
+def test_a_patch_skips_modules_without_a_namespace_and_leaves_the_owners_aliases(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    source = stand_in_module(monkeypatch, "oea_test_alias_source")
+    source.compute = source.alias = lambda x: x + 1
+    monkeypatch.setitem(sys.modules, "oea_test_blocked", None)  # a module import blocked: no __dict__
+    plugin_entry._patch("oea_test_alias_source.compute", lambda x: ((2 * x,), {}), "BEFORE")
+    assert source.compute(3) == 7 and source.alias(3) == 4
