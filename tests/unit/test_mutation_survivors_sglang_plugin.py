@@ -654,3 +654,15 @@ def test_a_patch_skips_modules_without_a_namespace_and_leaves_the_owners_aliases
     monkeypatch.setitem(sys.modules, "oea_test_blocked", None)  # a module import blocked: no __dict__
     plugin_entry._patch("oea_test_alias_source.compute", lambda x: ((2 * x,), {}), "BEFORE")
     assert source.compute(3) == 7 and source.alias(3) == 4
+
+
+def test_direct_patching_keeps_sglangs_routing_under_deterministic_inference_and_records_its_targets(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from test_sglang_decode_detection import fake_sglang
+
+    fake_sglang(monkeypatch, "0.5.23")
+    monkeypatch.setenv(sglang_targets.DETERMINISTIC_VARIABLE, "1")
+    with caplog.at_level(logging.WARNING):
+        patched = plugin_entry.install_without_registry(settings_from_env({"OEA_K0": "2"}))
+    assert patched and STATE.installed_targets == tuple(patched) and STATE.settings.oea is None
+    assert len([w for w in _warnings(caplog) if sglang_targets.DETERMINISTIC_FLAG in w]) == 1
