@@ -666,3 +666,23 @@ def test_direct_patching_keeps_sglangs_routing_under_deterministic_inference_and
         patched = plugin_entry.install_without_registry(settings_from_env({"OEA_K0": "2"}))
     assert patched and STATE.installed_targets == tuple(patched) and STATE.settings.oea is None
     assert len([w for w in _warnings(caplog) if sglang_targets.DETERMINISTIC_FLAG in w]) == 1
+
+
+@pytest.mark.parametrize("apply_to_verify", ["0", "1"])
+def test_direct_patching_records_the_trace_and_verify_forwards_as_the_settings_say(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, apply_to_verify: str) -> None:
+    """``python -m oea.launch.sglang`` (direct patching, no plugin system) hands the recorder ``OEA_TRACE_FILE`` and
+    ``OEA_APPLY_TO_VERIFY`` as ``register`` does: a verify forward is recorded exactly when it is 1."""
+    from test_sglang_decode_detection import fake_sglang
+
+    import oea.integrations.sglang.recording as recording
+
+    for field, value in (("settings", None), ("verify", False), ("checked", False)):
+        monkeypatch.setattr(recording.TRACE, field, value)  # restored after the test
+    fake_sglang(monkeypatch, "0.5.23")
+    trace = tmp_path / "direct.safetensors"
+    monkeypatch.setenv("OEA_TRACE_FILE", str(trace))  # the process's own settings, read at install
+    settings = settings_from_env({"OEA_K0": "2", "OEA_APPLY_TO_VERIFY": apply_to_verify})
+    assert plugin_entry.install_without_registry(settings)
+    assert recording.TRACE.settings is not None and str(recording.TRACE.settings.path) == str(trace)
+    assert recording.TRACE.verify is (apply_to_verify == "1")
