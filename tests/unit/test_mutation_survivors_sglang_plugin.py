@@ -686,3 +686,45 @@ def test_direct_patching_records_the_trace_and_verify_forwards_as_the_settings_s
     assert plugin_entry.install_without_registry(settings)
     assert recording.TRACE.settings is not None and str(recording.TRACE.settings.path) == str(trace)
     assert recording.TRACE.verify is (apply_to_verify == "1")
+
+
+def test_direct_patching_of_an_sglang_without_post_process_keeps_decode_detection_and_wraps_select_experts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang whose TopK has no ``_post_process_topk_ids``: the decode-detection hooks are installed as on any
+    version, ``select_experts`` gets the legacy AROUND rewrite in place of its BEFORE hook, and nothing is hooked on
+    the missing post-processing."""
+    from test_sglang_decode_detection import fake_sglang
+
+    from oea.integrations.sglang import hooks as plugin_hooks
+    from oea.integrations.sglang.hooks import select_experts_before
+    from oea.integrations.sglang.routing import select_experts_around_legacy
+
+    fake_sglang(monkeypatch, "0.5.14-0.5.22")
+    topk = sys.modules[sglang_targets.TOPK_MODULE]
+    monkeypatch.delattr(topk, "_post_process_topk_ids")
+    patched = plugin_entry.install_without_registry(settings_from_env({"OEA_K0": "2"}))
+    assert sglang_targets.MODEL_RUNNER_FORWARD_TARGET in patched and sglang_targets.SELECT_EXPERTS_TARGET in patched
+    assert sglang_targets.POST_PROCESS_TARGET not in patched
+    assert plugin_hooks.has_hook(topk.select_experts, select_experts_around_legacy)
+    assert not plugin_hooks.has_hook(topk.select_experts, select_experts_before)
+
+
+def test_each_target_that_cannot_be_patched_is_warned_once_in_its_own_words(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from test_sglang_decode_detection import fake_sglang
+
+    fake_sglang(monkeypatch, "0.5.14-0.5.22")
+    runner = sys.modules[f"{sglang_targets.MODEL_EXECUTOR}.model_runner"].ModelRunner
+    monkeypatch.delattr(runner, "forward")
+    monkeypatch.delattr(sys.modules[sglang_targets.TOPK_MODULE], "_post_process_topk_ids")
+    monkeypatch.setattr(plugin_entry, "hook_plan", lambda: [
+        (sglang_targets.MODEL_RUNNER_FORWARD_TARGET, lambda original, *a, **k: original(*a, **k), "AROUND"),
+        (sglang_targets.CPU_GRAPH_CAPTURE_TARGET + "_gone", lambda *a, **k: None, "BEFORE")])
+    with caplog.at_level(logging.WARNING):
+        patched = plugin_entry.install_without_registry(settings_from_env({"OEA_K0": "2"}))
+        plugin_entry.install_without_registry(settings_from_env({"OEA_K0": "2"}))  # again: no second warning
+    failed = [sglang_targets.MODEL_RUNNER_FORWARD_TARGET, sglang_targets.CPU_GRAPH_CAPTURE_TARGET + "_gone"]
+    warnings = [w for w in _warnings(caplog) if w.startswith("oea: cannot hook ")]
+    assert [w.split(" (", 1)[0] for w in warnings] == [f"oea: cannot hook {target}" for target in failed]
+    assert all(w.endswith(f"); supported versions: {sglang_targets.SUPPORTED_VERSIONS}") for w in warnings)
+    assert patched == [sglang_targets.SELECT_EXPERTS_TARGET]
