@@ -5,6 +5,8 @@ runs out names the setting that sets it, ``stop_server`` leaves no process of th
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 from server_harness import free_port
 
-from oea.launch.server_process import env_arm, option, start_process, stop_server, stop_servers, wait_healthy
+from oea.launch.server_process import Server, env_arm, option, start_process, stop_server, stop_servers, wait_healthy
 
 
 def test_health_timeout_names_its_setting_and_the_group_is_stopped(tmp_path: Path) -> None:
@@ -95,3 +97,18 @@ def test_stop_servers_signals_every_server_before_waiting_for_any(tmp_path: Path
             stop_server(server, grace=1.0)
     # one after the other, the first would wait for a marker the second never writes, and be killed (-9)
     assert codes == [3, 3] and a.exists() and b.exists()
+
+
+def test_a_server_that_does_not_lead_its_group_is_stopped_alone(tmp_path: Path) -> None:
+    """A server process inside a group another process leads (started by someone else's launcher): it is
+    terminated itself, and the group it belongs to is never signalled."""
+    leader = subprocess.Popen(["sleep", "600"], process_group=0)
+    member = subprocess.Popen(["sleep", "600"], process_group=leader.pid)
+    try:
+        server = Server(member, f"http://127.0.0.1:{free_port()}", None, "member")
+        assert stop_servers([server], grace=2.0) == [-signal.SIGTERM]
+        assert leader.poll() is None, "the group's leader was signalled"
+    finally:
+        for process in (member, leader):
+            process.kill()
+            process.wait(timeout=10)
