@@ -5,6 +5,7 @@ input of the command (no server, a server that is not vLLM / SGLang, limits that
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -305,11 +306,16 @@ def test_a_heap_allocation_shows_as_anonymous_memory_not_as_file_backed() -> Non
     def mine(reading: dict) -> dict:
         return next(p for p in reading["processes"] if p["pid"] == os.getpid())
 
+    # A private anonymous mapping, each page written: fresh pages whatever malloc holds. A bytearray may be
+    # carved from heap that earlier tests in this worker freed but left resident, and then RssAnon stays put.
+    size = 64 * 2**20
     before = mine(memory(os.getpgid(0)))
-    held = bytearray(b"x" * (64 * 2**20))  # 64 MiB written, so resident
+    held = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, size, mmap.PAGESIZE):
+        held[offset] = 1
     after = mine(memory(os.getpgid(0)))
     assert after["anon_mib"] - before["anon_mib"] >= 60 and abs(after["file_mib"] - before["file_mib"]) < 16
-    del held
+    held.close()
     assert memory_bound_mib(1000.0) > memory_bound_mib(0.0) > 0
 
 
