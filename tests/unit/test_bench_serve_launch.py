@@ -56,7 +56,7 @@ def test_serve_vllm_waits_for_health_and_forwards_sigterm(fake_vllm: Path, tmp_p
     try:
         line = proc.stderr.readline()  # printed once /health answered
         assert "ready at http://127.0.0.1:" in line and "OEA_K0=3" in line
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
             assert resp.status == 200
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)  # returns once the server's process group is gone

@@ -52,7 +52,7 @@ def test_stop_server_kills_a_worker_that_ignores_sigterm(tmp_path: Path) -> None
         worker = int(pid_file.read_text())
         assert _alive(worker)
         stop_server(server, grace=2.0)
-        deadline = time.monotonic() + 10  # the orphaned worker is reaped by init once killed
+        deadline = time.monotonic() + 60  # the orphaned worker is reaped by init once killed
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(worker), "a worker that ignores SIGTERM survived stop_server"

@@ -152,7 +152,7 @@ def test_metrics_rows_written_by_the_flush_thread(tmp_path) -> None:
     writer.add(8, plugin_metrics.StepRecord(decode=False, oea=False, rows=9, active={0: 20, 1: 21}))
     import time
 
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not path.exists() or len(path.read_text().splitlines()) < 2):
         time.sleep(0.02)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
