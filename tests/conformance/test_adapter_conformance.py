@@ -32,7 +32,8 @@ ADAPTERS: dict[str, tuple[Callable[[], Path | str], str]] = {  # adapter -> (its
 }
 ENGINE_MARKS = {"vllm": [pytest.mark.engine, pytest.mark.slow], "sglang": [pytest.mark.engine, pytest.mark.slow],
                 "transformers": []}
-_RESULTS: dict[str, dict[str, Any]] = {}
+# (adapter, folder) -> its outcomes: the messages name the layer files' paths, which are the folder's.
+_RESULTS: dict[tuple[str, Path], dict[str, Any]] = {}
 
 
 def _layer_files(folder: Path) -> dict[str, str]:
@@ -51,19 +52,21 @@ def _layer_files(folder: Path) -> dict[str, str]:
     return files
 
 
-@pytest.fixture(scope="module")
+# One folder per process, as _RESULTS is: a module-scoped fixture is made again whenever another module's tests
+# run between this module's (a shuffled order), and the cached outcomes would name the old folder's files.
+@pytest.fixture(scope="session")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("conformance")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def layer_files(folder: Path) -> dict[str, str]:
     return _layer_files(folder)
 
 
 def _results(adapter: str, folder: Path, files: dict[str, str]) -> dict[str, Any]:
     """The adapter's outcome of every scenario that applies to it (one child process, run once)."""
-    if adapter not in _RESULTS:
+    if (adapter, folder) not in _RESULTS:
         python, script = ADAPTERS[adapter]
         interpreter = python()
         table = [s for s in SCENARIOS if adapter in s.adapters]
@@ -73,8 +76,8 @@ def _results(adapter: str, folder: Path, files: dict[str, str]) -> dict[str, Any
                               cwd=HERE, env=child_env(), timeout=900)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
         assert line is not None, f"{adapter} child: exit {proc.returncode}\n{proc.stderr[-4000:]}"
-        _RESULTS[adapter] = json.loads(line[len("RESULT"):])
-    return _RESULTS[adapter]
+        _RESULTS[adapter, folder] = json.loads(line[len("RESULT"):])
+    return _RESULTS[adapter, folder]
 
 
 def _expected_routing(scenario: Scenario, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
