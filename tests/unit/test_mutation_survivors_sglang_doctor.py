@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import inspect
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -422,6 +423,30 @@ def test_a_hooked_target_is_read_through_its_wrapper(monkeypatch: pytest.MonkeyP
         f"{SELECT}(hidden_states, router_logits, topk_config, layer_id, num_token_non_padded)")
     checks = _checks()  # a second doctor run in the same process: every target already wrapped
     assert all(c["ok"] for name, c in checks.items() if name != "ep placement"), checks
+
+
+def _declaring_wrapper(original: Any) -> Any:
+    """A decorator's wrapper that declares a signature of its own (``__signature__``: ``*args, **kwargs``) over the
+    function it wraps (``__wrapped__``), which ``inspect.signature`` alone would stop at."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    wrapper.__signature__ = inspect.signature(wrapper)  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    assert list(inspect.signature(wrapper).parameters) == ["args", "kwargs"]
+    return wrapper
+
+
+def test_a_target_behind_a_wrapper_declaring_its_own_signature_is_read_as_the_function_it_wraps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook target and the replay hook point are read at the bottom of their ``__wrapped__`` chain: the
+    parameters SGLang's call reaches, whatever a wrapper in between declares."""
+    sgl = _sglang(monkeypatch)
+    sgl.topk.select_experts = _declaring_wrapper(sgl.topk.select_experts)
+    assert doctor._check_target(SELECT) == (
+        f"{SELECT}(hidden_states, router_logits, topk_config, layer_id, num_token_non_padded)")
+    sgl.DecodeCudaGraphRunner.load_batch = _declaring_wrapper(sgl.DecodeCudaGraphRunner.load_batch)
+    assert _padding()["ok"], _padding()
 
 
 def test_a_missing_module_class_or_submodule_on_the_way_to_a_target(monkeypatch: pytest.MonkeyPatch,
