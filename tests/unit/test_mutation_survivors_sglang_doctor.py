@@ -665,3 +665,17 @@ def test_a_module_not_found_without_a_name_or_inside_sglang_is_no_missing_depend
     assert doctor.missing_dependency(ImportError("cannot import name 'x'", name="torchvision")) is None
     assert doctor.missing_dependency(ModuleNotFoundError("No module named 'sglang'", name="sglang")) is None
     assert doctor.missing_dependency(ModuleNotFoundError("x", name="sglang_router.mini")) == "sglang_router.mini"
+
+
+def test_the_environment_describes_the_per_layer_k0_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from oea.config import layer_configs, settings_from_env, write_layer_k0_file
+    from oea.routing import LayerK0Schedule
+
+    path = tmp_path / "k0.json"
+    write_layer_k0_file(LayerK0Schedule(num_experts=64, top_k=8, num_layers=2, k0=(2, 3)), path)
+    monkeypatch.setenv("OEA_K0", "2")
+    monkeypatch.setenv("OEA_LAYER_K0_FILE", str(path))
+    described = layer_configs(settings_from_env()).describe()
+    assert doctor._check_environment() == (
+        "OEA on: k0=2, min_batch=2, max_experts=top_k, group_fill=in, apply_to_verify=False (OEA_K0=2); k0 per layer "
+        f"from {path} (2 MoE layers, 64 experts, top_k 8: {described})")
