@@ -181,7 +181,7 @@ CFG = SoakConfig(requests=40, duration_s=30.0, seed=5, max_concurrency=4, warmup
 
 def test_the_soak_sends_the_warm_up_the_probe_and_the_mix_in_order_with_their_limits(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = Stage(monkeypatch, clock=iter([500.0, 510.25, 530.33, 540.04]),
+    stage = Stage(monkeypatch, clock=iter([500.0, 510.25, 530.33, 540.34]),
                   health=[(0.04, 200, 3.26), (1.06, 503, 7.74), (2.14, 200, 12.34)])
     report = soak_server(INFO, CFG)
     lengths = {"max_prompt_len": 80, "max_total_len": 90}
@@ -210,7 +210,7 @@ def test_the_soak_sends_the_warm_up_the_probe_and_the_mix_in_order_with_their_li
     assert report["outcomes"] == [o.as_row() for o in outcomes] and "token_ids" not in report["outcomes"][1]
     assert report["phases"] == [{"concurrency": p.concurrency, "burst": p.burst, "requests": len(p.requests)}
                                 for p in phases]
-    assert (report["unsent"], report["stopped"], report["soak_s"], report["time_s"]) == (0, "requests", 20.1, 40.0)
+    assert (report["unsent"], report["stopped"], report["soak_s"], report["time_s"]) == (0, "requests", 20.1, 40.3)
     health = Health(samples=[(0.04, 200, 3.26), (1.06, 503, 7.74), (2.14, 200, 12.34)])
     assert report["health"] == health.summary()
     assert report["health_samples"] == [[0.0, 200, 3.3], [1.1, 503, 7.7], [2.1, 200, 12.3]]
