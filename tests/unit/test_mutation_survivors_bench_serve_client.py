@@ -279,7 +279,7 @@ def test_the_client_reads_with_the_timeout_connects_within_ten_seconds_and_pools
     real = httpx.AsyncClient
 
     def stream(request: httpx.Request) -> httpx.Response:
-        urls.append(str(request.url))
+        urls.append(f"{request.url} {json.loads(request.content)['model']}")
         return httpx.Response(200, content=sse(chunk("a"), "[DONE]"))
 
     def recording(**kwargs: Any) -> httpx.AsyncClient:
@@ -288,14 +288,15 @@ def test_the_client_reads_with_the_timeout_connects_within_ten_seconds_and_pools
 
     monkeypatch.setattr(httpx, "AsyncClient", recording)
     stand_in_clock(monkeypatch, 100.0, 101.0, 102.0, 103.0, 107.5)
-    results, duration = asyncio.run(serve.run_requests("http://h", "m", [Prompt([1], 1)], max_concurrency=3,
+    results, duration = asyncio.run(serve.run_requests("http://h", "m1", [Prompt([1], 1)], max_concurrency=3,
                                                        timeout=42.0))
     # the round's duration: the clock before the first request is sent and after the last one ended
     assert duration == 7.5 and (results[0].ttft, results[0].latency) == (1.0, 2.0)
     monkeypatch.setattr(serve, "time", time)
-    asyncio.run(serve.run_requests("http://h/", "m", [Prompt([1], 1)], max_concurrency=1))
-    # the URL as sent (a stand-in http.server would fold the leading "//" of a doubled slash away)
-    assert urls == ["http://h/v1/completions"] * 2
+    asyncio.run(serve.run_requests("http://boX/", "m2", [Prompt([1], 1)], max_concurrency=1))
+    # the URL as sent (a stand-in http.server would fold the leading "//" of a doubled slash away; a host may end
+    # in any letter) and the model asked for
+    assert urls == ["http://h/v1/completions m1", "http://box/v1/completions m2"]
     assert [k["timeout"] for k in made] == [httpx.Timeout(42.0, connect=10.0), httpx.Timeout(600.0, connect=10.0)]
     assert made[0]["limits"] == httpx.Limits(max_connections=3, max_keepalive_connections=3)
     assert all(k["trust_env"] is False for k in made)
@@ -354,8 +355,8 @@ def test_check_reachable_waits_five_seconds_by_default_and_ignores_proxies(monke
         return httpx.Response(200, json={"data": [{"id": "m"}]})
 
     monkeypatch.setattr(httpx, "get", get)
-    assert serve.check_reachable("http://h:1/") == "m"
-    assert asked == [("http://h:1/v1/models", {"timeout": 5.0, "trust_env": False})]  # one slash, as sent
+    assert serve.check_reachable("http://boX/") == "m"
+    assert asked == [("http://boX/v1/models", {"timeout": 5.0, "trust_env": False})]  # one slash, as sent
 
 
 def _free_port() -> int:
