@@ -261,6 +261,7 @@ def test_every_check_in_order_with_oea_off_and_the_self_test_forced_to_k0_1(monk
         "OEA off; with OEA_K0 set, OEA's replay count (DecodeCudaGraphRunner.load_batch, "
         "CPUGraphRunner.prepare_replay) keeps the padding rows of graph-replayed decode batches out of the union at "
         f"plain TP; {SGLANG_OWN}")
+    assert by_name["ep placement"]["detail"] == "ModuleNotFoundError: No module named 'sglang.srt.eplb'"
     assert by_name["prometheus export"]["detail"] == "off (OEA_K0 unset: no oea_* series)"
     assert by_name["router bypass"]["detail"] == (
         "every router class routes through OEA's hook: forward and 1 forward_* methods of "
@@ -472,8 +473,8 @@ def test_a_missing_module_class_or_submodule_on_the_way_to_a_target(monkeypatch:
         f"{SUPPORTED}; SGLang will serve unmodified (HookRegistry logs the failure)")
     (tmp_path / "model_runner.py").write_text("import torchvision_missing\n")
     doctor.importlib.invalidate_caches()
-    assert _failed_target(runner).startswith(
-        "SGLang could not import: No module named 'torchvision_missing' (a dependency of sglang")
+    assert _failed_target(runner) == doctor.import_failure(
+        ModuleNotFoundError("No module named 'torchvision_missing'", name="torchvision_missing"), runner)
     (tmp_path / "model_runner.py").write_text("raise OSError('libcuda.so:\\n  not found')\n")
     doctor.importlib.invalidate_caches()
     assert _failed_target(runner) == (f"cannot import the module of {runner}: OSError: libcuda.so: not found (an "
@@ -679,3 +680,74 @@ def test_the_environment_describes_the_per_layer_k0_file(monkeypatch: pytest.Mon
     assert doctor._check_environment() == (
         "OEA on: k0=2, min_batch=2, max_experts=top_k, group_fill=in, apply_to_verify=False (OEA_K0=2); k0 per layer "
         f"from {path} (2 MoE layers, 64 experts, top_k 8: {described})")
+
+
+def test_the_checks_read_the_settings_they_are_handed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_check_environment`` and ``check_decode_detection`` with the doctor's reading of the environment describe
+    that reading, not the environment as it is when they run."""
+    from oea.config import settings_from_env
+
+    _sglang(monkeypatch)
+    handed = settings_from_env({"OEA_K0": "3"})
+    assert doctor._check_environment(handed) == ("OEA on: k0=3, min_batch=2, max_experts=top_k, group_fill=in, "
+                                                 "apply_to_verify=False (OEA_K0=3)")
+    assert doctor.check_decode_detection(handed)["detail"].startswith(f"not installed on {FC}: ")
+
+
+def _environment_set_by_sglangs_import(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    """SGLang's MoE module sets ``name`` when the imports check imports it (SGLang's modules set variables at
+    import; another plugin could at ``load_plugins``)."""
+    real = doctor.importlib.import_module
+
+    def import_module(module: str, *args: Any, **kwargs: Any) -> Any:
+        if module == targets.TOPK_MODULE:
+            monkeypatch.setenv(name, value)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(doctor.importlib, "import_module", import_module)
+
+
+def test_every_check_reads_the_environment_as_it_was_when_the_doctor_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OEA_K0`` set while the doctor runs (at SGLang's import, before the hooks are loaded): the doctor reports on
+    the one reading it started with, as ``register`` reads the environment once. So the plugin, loaded after the
+    change, installs hooks that the doctor's OEA-off reading says should not be there."""
+    _sglang(monkeypatch)
+    _environment_set_by_sglangs_import(monkeypatch, "OEA_K0", "2")
+    checks = _checks()
+    assert checks["environment"]["detail"].startswith("OEA off")
+    assert checks["hooks live"]["detail"].startswith("OEA_K0 is unset but hooks are installed: "), checks["hooks live"]
+    assert checks["decode detection"]["detail"] == f"OEA off; with OEA_K0 set: {BATCH_HOW}"
+    assert checks["self-test select_experts"]["detail"].endswith(" (OEA is off here: self-test forced k0=1)")
+    assert checks["cuda-graph padding"]["detail"].startswith("OEA off; with OEA_K0 set")
+
+
+def test_a_malformed_environment_stays_the_reason_when_it_is_mended_while_the_doctor_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _sglang(monkeypatch)
+    monkeypatch.setenv("OEA_K0", "three")
+    _environment_set_by_sglangs_import(monkeypatch, "OEA_K0", "2")
+    checks = _checks()
+    reason = checks["environment"]["detail"]
+    assert reason.startswith("OEA_K0 must be an integer")
+    assert checks["cuda-graph padding"] == {"name": "cuda-graph padding", "ok": False, "detail": reason}
+
+
+def test_without_its_entry_point_the_doctor_says_to_reinstall_oea_where_sglang_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import oea.integrations.doctor.common as common
+
+    _sglang(monkeypatch)
+    monkeypatch.setattr(common.metadata, "entry_points", lambda group: [])
+    checks = _checks()
+    assert checks["entry point registered"] == {"name": "entry point registered", "ok": False, "detail": (
+        f"no {targets.ENTRY_POINT_GROUP!r} entry point {targets.ENTRY_POINT_VALUE!r}; reinstall oea (pip install -e . "
+        "or pip install oea) in the interpreter that runs SGLang")}
+    assert "entry point loads" not in checks and not checks["self-test select_experts"]["ok"]
+
+
+def test_a_dotted_target_is_read_through_a_module_that_is_no_package() -> None:
+    """``_import_target`` imports submodules of packages only; past a plain module each part is an attribute."""
+    import math
+
+    assert doctor._import_target("math.sqrt") is math.sqrt
+    assert doctor._import_target("inspect.Signature.bind") is inspect.Signature.bind
