@@ -414,3 +414,44 @@ def test_run_phases_sends_nothing_once_the_deadline_is_reached(monkeypatch: pyte
     now[0] = 9.0
     outcomes, unsent = asyncio.run(run_phases("http://127.0.0.1:1", phases, deadline=10.0, timeout_s=1.0))
     assert [o.index for o in outcomes] == [0, 1, 2] and unsent == 0 and clients.sent == [0, 1, 2]
+
+
+def test_run_phases_counts_every_request_the_deadline_stopped_in_each_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline is reached exactly (``>=``) when each phase's one request is about to go: neither is sent,
+    both are counted; a phase skipped at its start does not sleep its idle gap."""
+    clients = _Clients(monkeypatch)
+    times = iter([9.0, 10.0, 9.0, 10.0, 10.0])
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(client, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(times)),
+                                                           "perf_counter": staticmethod(lambda: 0.0)}))
+    monkeypatch.setattr(client, "asyncio", type("Asyncio", (), {
+        "sleep": staticmethod(sleep), "Semaphore": asyncio.Semaphore, "gather": asyncio.gather,
+        "wait_for": asyncio.wait_for, "TimeoutError": asyncio.TimeoutError}))
+    phases = [Phase((_plain(0),), 1), Phase((_plain(1),), 1), Phase((_plain(2),), 1, burst=True, idle_s=0.5)]
+    assert asyncio.run(run_phases("http://127.0.0.1:1", phases, deadline=10.0, timeout_s=1.0)) == ([], 3)
+    assert clients.sent == [] and slept == []
+
+
+def test_run_phases_hands_each_request_its_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    clients = _Clients(monkeypatch)
+    seen: list[Any] = []
+    answer = clients.answer
+    monkeypatch.setattr(clients, "answer", lambda req: seen.append(req.extensions["timeout"]) or answer(req))
+    asyncio.run(run_phases("http://127.0.0.1:1", [Phase((_plain(0),), 1)], deadline=float("inf"), timeout_s=4.5))
+    assert seen == [{"connect": 4.5, "read": 4.5, "write": 4.5, "pool": 4.5}]
+
+
+def test_a_whole_answer_is_checked_against_its_usage() -> None:
+    out = _send(_request(max_tokens=2), _whole({"index": 0, "token_ids": [1, 2], "finish_reason": "length"},
+                                               usage={"completion_tokens": 3}))
+    assert (out.outcome, out.error) == ("failed", "usage.completion_tokens 3 != 2 tokens received")
+
+
+def test_one_choice_without_ids_takes_the_whole_usage() -> None:
+    out = _send(_request(max_tokens=4), _whole({"index": 0, "text": "abc", "finish_reason": "stop"},
+                                               usage={"completion_tokens": 3}))
+    assert (out.outcome, out.tokens) == ("completed", 3)
