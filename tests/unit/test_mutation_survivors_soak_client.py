@@ -455,3 +455,8 @@ def test_one_choice_without_ids_takes_the_whole_usage() -> None:
     out = _send(_request(max_tokens=4), _whole({"index": 0, "text": "abc", "finish_reason": "stop"},
                                                usage={"completion_tokens": 3}))
     assert (out.outcome, out.tokens) == ("completed", 3)
+
+
+def test_a_usage_without_its_count_never_matches_the_tokens_received() -> None:
+    assert judge(_request(max_tokens=1), _choices(("length", 1)), {}) == "usage.completion_tokens None != 1 tokens " \
+                                                                         "received"
