@@ -751,3 +751,14 @@ def test_a_dotted_target_is_read_through_a_module_that_is_no_package() -> None:
 
     assert doctor._import_target("math.sqrt") is math.sqrt
     assert doctor._import_target("inspect.Signature.bind") is inspect.Signature.bind
+
+
+def test_one_hook_installed_without_oea_k0_fails_the_hooks_live_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any one OEA hook in place without ``OEA_K0`` is reported, not only all of them."""
+    from oea.integrations.sglang.routing import select_experts_before
+
+    _sglang(monkeypatch, load_plugins=lambda: plugin._patch(SELECT, select_experts_before, "BEFORE"))
+    with pytest.raises(RuntimeError) as raised:
+        doctor._check_hooks_live(doctor._readable(None))
+    status = {FC: False, SELECT: True, POST: False}
+    assert str(raised.value) == f"OEA_K0 is unset but hooks are installed: {status}"
