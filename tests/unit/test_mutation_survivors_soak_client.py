@@ -460,3 +460,8 @@ def test_one_choice_without_ids_takes_the_whole_usage() -> None:
 def test_a_usage_without_its_count_never_matches_the_tokens_received() -> None:
     assert judge(_request(max_tokens=1), _choices(("length", 1)), {}) == "usage.completion_tokens None != 1 tokens " \
                                                                          "received"
+
+
+def test_a_streamed_error_body_that_is_not_utf8_is_read_with_replacements() -> None:
+    out = _send(_request(stream=True), lambda _req: httpx.Response(500, content=b"\xffbad \xfe"))
+    assert (out.outcome, out.status, out.error) == ("failed", 500, "HTTP 500: \ufffdbad \ufffd")
