@@ -209,6 +209,7 @@ def test_oea_env_sets_or_removes_the_oea_variables_of_a_copy(monkeypatch: pytest
 
 def test_option_takes_a_value_only_where_there_is_one() -> None:
     assert server_process.option(["--port"], "--port") is None  # a flag without its value
+    assert server_process.option(["--host", "h", "--port", "1"], "--port") == "1"  # a value that is the last arg
     assert server_process.option(["--port", "1", "--port"], "--port") == "1"
     assert server_process.option(["--url=http://h/?a=b"], "--url") == "http://h/?a=b"
 
