@@ -76,15 +76,17 @@ def test_metrics_from_known_timings(fake_server: str) -> None:
 
     results, duration = asyncio.run(serve.run_requests(fake_server, "fake-model", prompts, max_concurrency=4))
     assert all(r.success for r in results), [r.error for r in results]
-    # The server sleeps FIRST_DELAY then GAP between chunks: lower bounds are exact, upper bounds loose
-    # (the machine may be loaded).
+    # The server sleeps FIRST_DELAY then GAP between chunks, so these lower bounds are exact; a loaded machine
+    # only adds time, so no upper bound holds (the exact figures are checked with a stand-in clock in
+    # test_mutation_survivors_bench_serve_client.py).
     for r in results:
         assert r.output_len == 6 and r.prompt_len == 10
         assert len(r.itl) == 5
-        assert FIRST_DELAY - 0.005 <= r.ttft < FIRST_DELAY + 2.0
-        assert all(0 <= gap < GAP + 1.0 for gap in r.itl)  # a busy client may read two chunks at once
+        assert r.ttft >= FIRST_DELAY - 0.005
+        assert all(gap >= 0 for gap in r.itl)  # a busy client may read two chunks at once
         assert r.latency >= FIRST_DELAY + 5 * GAP - 0.005  # the last chunk is sent after 5 gaps
-        assert r.latency == pytest.approx(r.ttft + sum(r.itl), abs=0.05)
+        # first chunk + the gaps = the last chunk, which comes before the stream's end (usage, [DONE])
+        assert r.ttft + sum(r.itl) <= r.latency + 1e-9
     m = serve.compute_metrics(results, duration)
     assert m["completed"] == 4 and m["failed"] == 0
     assert m["total_output_tokens"] == 24 and m["total_input_tokens"] == 40
@@ -93,8 +95,10 @@ def test_metrics_from_known_timings(fake_server: str) -> None:
     assert m["mean_ttft_ms"] == pytest.approx(1000 * sum(r.ttft for r in results) / 4)
     assert m["mean_itl_ms"] == pytest.approx(1000 * sum(sum(r.itl) for r in results) / 20)
     assert m["output_throughput"] == pytest.approx(24 / duration)
-    # All four ran at once: wall time about one request's latency, so concurrency close to 4.
-    assert 2.5 < m["concurrency"] <= 4.0 + 1e-9
+    # Concurrency is the requests' summed latency over the round's wall time, never above the gate's 4 (that
+    # all four are in flight at once is checked with a server that holds each until they are).
+    assert m["concurrency"] == pytest.approx(sum(r.latency for r in results) / duration)
+    assert 0 < m["concurrency"] <= 4.0 + 1e-9
     assert [b["max_tokens"] for b in _FakeOpenAI.requests] == [6] * 4
     assert all(b["stream"] and b["ignore_eos"] and b["temperature"] == 0.0 for b in _FakeOpenAI.requests)
 
@@ -108,7 +112,7 @@ def test_max_concurrency_one_serialises(fake_server: str) -> None:
     # one request in flight at a time: the round lasts at least the sum of the latencies (a busy machine only
     # stretches the client's gaps between requests, so concurrency has no tight lower bound)
     assert duration >= sum(r.latency for r in results) * 0.95
-    assert 0.2 < m["concurrency"] <= 1.0 / 0.95
+    assert 0 < m["concurrency"] <= 1.0 / 0.95
 
 
 def test_compute_metrics_formulas() -> None:
@@ -150,7 +154,7 @@ def test_unreachable_server_fails_fast_with_url() -> None:
     start = time.monotonic()
     with pytest.raises(serve.ServerUnreachable, match=f"127.0.0.1:{port}"):
         serve.run_benchmark([Arm("a", url)], BenchConfig(num_prompts=1, concurrencies=(1,)), progress=False)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # a refused connection, not a wait for a time-out or retries
 
 
 def test_ab_rounds_alternate_and_rows_append(fake_server: str, tmp_path) -> None:
