@@ -312,7 +312,7 @@ def test_a_writer_that_falls_behind_drops_steps_without_blocking(tmp_path: pathl
 
     def slow_append(self, rows):
         writing.set()
-        release.wait(30)
+        release.wait(120)
         return original(self, rows)
 
     monkeypatch.setattr(TraceFileWriter, "append", slow_append)
@@ -324,7 +324,7 @@ def test_a_writer_that_falls_behind_drops_steps_without_blocking(tmp_path: pathl
     started = time.monotonic()
     for s in range(1, 50 + 11):
         _step(rec, s, _logits(2, s), ["a", "b"], [s, s])
-    assert time.monotonic() - started < 10, "submitting steps must not wait for the writer"
+    assert time.monotonic() - started < 60, "submitting steps must not wait for the writer (held up to 120 s)"
     assert rec.dropped == 10
     release.set()
     trace = load_trace(str(rec.close()))
