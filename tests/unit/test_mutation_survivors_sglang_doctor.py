@@ -102,7 +102,7 @@ def _sglang(monkeypatch: pytest.MonkeyPatch, *, forward_context: str | None = "b
 
     def select_experts(hidden_states: torch.Tensor, router_logits: torch.Tensor, topk_config: Any, *,
                        layer_id: int | None = None, num_token_non_padded: Any = None) -> Any:
-        seen.append({"rows": hidden_states.shape[0], "top_k": topk_config.top_k, "layer_id": layer_id,
+        seen.append({"hidden": tuple(hidden_states.shape), "top_k": topk_config.top_k, "layer_id": layer_id,
                      "compile": not torch._dynamo.config.disable})  # SGLang compiles some routings (torch.compile)
         spec = oea.RouterSpec(router_logits.shape[1], topk_config.top_k, "softmax", topk_config.renormalize)
         ids, weights = oea.route(router_logits, spec)
@@ -120,7 +120,13 @@ def _sglang(monkeypatch: pytest.MonkeyPatch, *, forward_context: str | None = "b
     if post_process:
         topk._post_process_topk_ids = _post_process_topk_ids
     topk.select_experts = select_experts
-    topk.TopKConfig = topk_config
+    configs: list[dict[str, Any]] = []
+
+    def TopKConfig(**fields: Any) -> Any:  # SGLang's class, as the doctor calls it
+        configs.append(fields)
+        return topk_config(**fields)
+
+    topk.TopKConfig = TopKConfig
     topk.TopK = TopK
     hook_registry = _Registry(skip)
 
@@ -179,9 +185,9 @@ def _sglang(monkeypatch: pytest.MonkeyPatch, *, forward_context: str | None = "b
         _module(monkeypatch, f"{EXECUTOR}.cuda_graph_runner").CudaGraphRunner = CudaGraphRunner
     if cpu:
         _module(monkeypatch, f"{EXECUTOR}.cpu_graph_runner").CPUGraphRunner = CPUGraphRunner
-    return SimpleNamespace(topk=topk, registry=hook_registry, seen=seen, entered=entered, ModelRunner=ModelRunner,
-                           CudaGraphRunner=CudaGraphRunner, DecodeCudaGraphRunner=DecodeCudaGraphRunner,
-                           CPUGraphRunner=CPUGraphRunner, TopK=TopK)
+    return SimpleNamespace(topk=topk, registry=hook_registry, seen=seen, configs=configs, entered=entered,
+                           ModelRunner=ModelRunner, CudaGraphRunner=CudaGraphRunner,
+                           DecodeCudaGraphRunner=DecodeCudaGraphRunner, CPUGraphRunner=CPUGraphRunner, TopK=TopK)
 
 
 @pytest.fixture(autouse=True)
@@ -253,7 +259,9 @@ def test_every_check_in_order_with_oea_off_and_the_self_test_forced_to_k0_1(monk
     assert by_name["self-test select_experts"]["detail"] == (
         f"DECODE 16 rows, 64 experts, top-8, k0=1: active experts {vanilla} -> {pruned}, equal to oea.route; "
         "EXTEND unchanged (OEA is off here: self-test forced k0=1)")
-    assert sgl.seen == [{"rows": 16, "top_k": 8, "layer_id": 0, "compile": False}] * 2  # one DECODE and one EXTEND call
+    assert sgl.seen == [{"hidden": (16, 1), "top_k": 8, "layer_id": 0, "compile": False}] * 2
+    # SGLang's torch-native softmax path (the fused default needs a GPU kernel)
+    assert sgl.configs == [{"top_k": 8, "renormalize": True, "torch_native": True}]  # one DECODE and one EXTEND call
     assert [(seen.batch.forward_mode, seen.batch.moe_num_token_non_padded) for seen in sgl.entered] == [
         (FakeMode.DECODE, None), (FakeMode.EXTEND, None)]  # through SGLang's forward_context, with the batch
     assert [(seen.ctx.args, seen.ctx.kwargs) for seen in sgl.entered] == [((), {"attn_backend": None})] * 2
@@ -292,7 +300,7 @@ def test_with_oea_on_the_hooks_are_live_and_the_self_test_routes_at_the_configur
     assert checks["self-test select_experts"]["detail"] == (
         f"DECODE 16 rows, {8 * top_k} experts, top-{top_k}, k0={k0}: active experts {vanilla} -> {pruned}, equal "
         "to oea.route; EXTEND unchanged")
-    assert sgl.seen == [{"rows": 16, "top_k": top_k, "layer_id": 0, "compile": False}] * 2
+    assert sgl.seen == [{"hidden": (16, 1), "top_k": top_k, "layer_id": 0, "compile": False}] * 2
     assert checks["cuda-graph padding"]["detail"] == (
         "OEA's replay count (DecodeCudaGraphRunner.load_batch, CPUGraphRunner.prepare_replay hooked): padding rows "
         f"of graph-replayed decode batches stay out of the union at plain TP; {SGLANG_OWN}")
