@@ -465,3 +465,10 @@ def test_a_usage_without_its_count_never_matches_the_tokens_received() -> None:
 def test_a_streamed_error_body_that_is_not_utf8_is_read_with_replacements() -> None:
     out = _send(_request(stream=True), lambda _req: httpx.Response(500, content=b"\xffbad \xfe"))
     assert (out.outcome, out.status, out.error) == ("failed", 500, "HTTP 500: \ufffdbad \ufffd")
+
+
+def test_the_latency_is_the_time_from_sending_to_the_judged_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter([100.0, 100.25])
+    monkeypatch.setattr(client, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(ticks))}))
+    out = _send(_request(max_tokens=1), _whole({"index": 0, "token_ids": [1], "finish_reason": "length"}))
+    assert (out.outcome, out.latency_s) == ("completed", 0.25)
