@@ -4,6 +4,7 @@ runs out names the setting that sets it, ``stop_server`` leaves no process of th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -73,10 +74,11 @@ mine, other = sys.argv[1], sys.argv[2]
 stopping = []
 signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
 print("ready", flush=True)
-while not stopping:
+give_up = time.monotonic() + 600  # a stand-in nobody stops (a broken stop_servers) does not outlive the run
+while not stopping and time.monotonic() < give_up:
     time.sleep(0.02)
 open(mine, "w").close()
-while not os.path.exists(other):
+while not os.path.exists(other) and time.monotonic() < give_up:
     time.sleep(0.02)
 sys.exit(3)
 """
@@ -94,9 +96,11 @@ def test_stop_servers_signals_every_server_before_waiting_for_any(tmp_path: Path
             while "ready" not in server.log_tail() and time.monotonic() < deadline:
                 time.sleep(0.05)
         codes = stop_servers(servers, grace=30.0)
-    finally:
+    finally:  # the groups killed without the code under test, which may be what failed
         for server in servers:
-            stop_server(server, grace=1.0)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(timeout=60)
     # one after the other, the first would wait for a marker the second never writes, and be killed (-9)
     assert codes == [3, 3] and a.exists() and b.exists()
 
