@@ -32,8 +32,7 @@ ADAPTERS: dict[str, tuple[Callable[[], Path | str], str]] = {  # adapter -> (its
 }
 ENGINE_MARKS = {"vllm": [pytest.mark.engine, pytest.mark.slow], "sglang": [pytest.mark.engine, pytest.mark.slow],
                 "transformers": []}
-# (adapter, folder) -> its outcomes: the messages name the layer files' paths, which are the folder's.
-_RESULTS: dict[tuple[str, Path], dict[str, Any]] = {}
+_RESULTS: dict[str, dict[str, Any]] = {}  # adapter -> its outcomes, whose messages name files in `folder`
 
 
 def _layer_files(folder: Path) -> dict[str, str]:
@@ -66,7 +65,7 @@ def layer_files(folder: Path) -> dict[str, str]:
 
 def _results(adapter: str, folder: Path, files: dict[str, str]) -> dict[str, Any]:
     """The adapter's outcome of every scenario that applies to it (one child process, run once)."""
-    if (adapter, folder) not in _RESULTS:
+    if adapter not in _RESULTS:
         python, script = ADAPTERS[adapter]
         interpreter = python()
         table = [s for s in SCENARIOS if adapter in s.adapters]
@@ -76,8 +75,8 @@ def _results(adapter: str, folder: Path, files: dict[str, str]) -> dict[str, Any
                               cwd=HERE, env=child_env(), timeout=900)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
         assert line is not None, f"{adapter} child: exit {proc.returncode}\n{proc.stderr[-4000:]}"
-        _RESULTS[adapter, folder] = json.loads(line[len("RESULT"):])
-    return _RESULTS[adapter, folder]
+        _RESULTS[adapter] = json.loads(line[len("RESULT"):])
+    return _RESULTS[adapter]
 
 
 def _expected_routing(scenario: Scenario, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
