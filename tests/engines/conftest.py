@@ -12,9 +12,11 @@ of ``server_harness`` (memory). Outside xdist nothing changes.
 (``sglang_server.server_arms``: the embedded model OEA off / ``OEA_K0`` = top_k / ``OEA_K0=3`` with its trace
 and metrics file / ``SGLANG_OEA_K0=3`` / ``OEA_K0=9`` / a bad ``OEA_K0``, and a tiny GLM-4.5-MoE checkpoint
 off / k0 = top_k / k0 = 2 for the sigmoid module), so their start-ups overlap once instead of once per module,
-and one ``OEA_K0=3`` server serves both the behaviour and the recording checks. The servers are stopped by
-their process groups right after the last test that uses them (``pytest_runtest_teardown``), on SIGTERM
-(``server_harness.stopping_servers``), and at the end of the session in any case.
+and one ``OEA_K0=3`` server serves both the behaviour and the recording checks. They are launched
+(``sglang_launched``) at the first test of the SGLang modules that only run check scripts (``START_BESIDE``), so
+that they start on the core those leave idle, and waited for by the first test that uses them. The servers are
+stopped by their process groups right after the last test that uses them (``pytest_runtest_teardown``), on
+SIGTERM (``server_harness.stopping_servers``), and at the end of the session in any case.
 
 ``sglang_k0_3_served`` sends the ``OEA_K0=3`` server all its traffic (two rounds of the 16 prompts together, two
 prompts together, then three prompts one at a time; routed experts returned for all but the last), stops it
@@ -45,6 +47,16 @@ MODULE_ORDER = {
                "test_sglang_server_sigmoid"),
 }
 SERVERS_FIXTURE = "sglang_servers"
+# The SGLang modules that start no server (each test runs a check script in .venv-sglang, on one core): the shared
+# servers start beside them (``_shared_servers_start_beside_checks``). Measured alone on the quiet 2-core machine:
+# these modules take 158 s at 50% of the CPU, the shared servers' start-up 162 s on both cores.
+START_BESIDE = frozenset({"test_sglang_doctor", "test_sglang_metrics", "test_sglang_padding", "test_sglang_placement",
+                          "test_sglang_recording", "test_sglang_routing", "test_sglang_verify"})
+# The shared servers' priority (their sessions' autogroups too: each server leads a session of its own, and the
+# kernel shares the CPU between autogroups first): a check script beside their start-ups keeps its core, and the
+# servers take what it leaves. At nice 0 the eight start-ups took the cores from the check scripts (the three
+# doctor tests 177 s against 30 s alone) and the overlap gained nothing.
+SHARED_NICE = 10
 _LIVE: dict[str, Any] = {}  # the started servers (name -> sglang_server.Live), while they run
 _SLOTS: list[ServerSlots] = []  # their server slots, freed when they stop
 
@@ -68,9 +80,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def sglang_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[dict[str, Any]]:
-    from sglang_server import server_arms, start_all, stop_all
+def sglang_launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[dict[str, Any]]:
+    """The shared servers, started and not yet waited for (``sglang_servers`` waits); stopped at the end."""
+    from sglang_server import launch_all, server_arms, stop_all
 
     work = tmp_path_factory.mktemp("sglang_server")
     modules = {test.module.__name__ for test in request.session.items  # the servers of the modules selected
@@ -80,15 +93,36 @@ def sglang_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     _SLOTS.append(slots)
     with stopping_servers() as held:
         slots.acquire()
-        started = start_all(arms, work, expect_failure=("bad",))
-        held.update({name: live.server for name, live in started.items()})
-        _LIVE.update(started)
+        launched = launch_all(arms, work, nice=SHARED_NICE)
+        held.update({name: live.server for name, live in launched.items()})
+        _LIVE.update(launched)
         try:
-            yield started
+            yield launched
         finally:
-            stop_all(started.values())
+            stop_all(launched.values())
             _LIVE.clear()
             slots.release()
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(sglang_launched: dict[str, Any]) -> dict[str, Any]:
+    from sglang_server import await_all
+
+    return await_all(sglang_launched, expect_failure=("bad",))
+
+
+@pytest.fixture(autouse=True)
+def _shared_servers_start_beside_checks(request: pytest.FixtureRequest) -> None:
+    """Launch the shared SGLang servers at the first test of a module in ``START_BESIDE`` when a later test of
+    the session uses them: those modules' check scripts compute on one core, and the servers' start-ups take the
+    other, instead of running after them on both."""
+    module = getattr(request.node, "module", None)
+    if module is None or module.__name__.rsplit(".", 1)[-1] not in START_BESIDE:
+        return
+    items = request.session.items
+    later = items[items.index(request.node):] if request.node in items else []
+    if any(SERVERS_FIXTURE in getattr(test, "fixturenames", ()) for test in later):
+        request.getfixturevalue("sglang_launched")
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

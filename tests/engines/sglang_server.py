@@ -122,8 +122,14 @@ def server_arms(work: Path, modules: set[str]) -> list[Arm]:
 
 
 def start_all(arms: Sequence[Arm], workdir: Path, expect_failure: Sequence[str] = ()) -> dict[str, Live]:
-    """Start every arm at once, then wait for all. Arms named in ``expect_failure`` may exit during start-up
-    (their ``error`` holds why); any other failure stops every server and fails the test with its log."""
+    """Start every arm at once, then wait for all (``launch_all``, then ``await_all``)."""
+    return await_all(launch_all(arms, workdir), expect_failure)
+
+
+def launch_all(arms: Sequence[Arm], workdir: Path, nice: int | None = None) -> dict[str, Live]:
+    """Start a server for every arm and return without waiting for any (their start-ups overlap with each other
+    and with whatever runs next; ``nice``: their priority, so that what runs next keeps its core); a failure to
+    start one stops those already started."""
     python = str(engine_python("sglang"))
     workdir.mkdir(parents=True, exist_ok=True)
     started: dict[str, Live] = {}
@@ -136,8 +142,18 @@ def start_all(arms: Sequence[Arm], workdir: Path, expect_failure: Sequence[str] 
                 env["OEA_TRACE_FILE"] = str(trace)
             log_path = workdir / f"{arm.name}.log"
             args = cpu_server_args(arm.model, free_port(), extra=(*IDLE_ARGS, *arm.args))
-            server = start_server(args, env, python=python, log_path=log_path, cwd=ROOT, stand_in=True)
+            server = start_server(args, env, python=python, log_path=log_path, cwd=ROOT, nice=nice, stand_in=True)
             started[arm.name] = Live(arm, server, log_path, trace)
+    except BaseException:
+        stop_all(started.values())
+        raise
+    return started
+
+
+def await_all(started: dict[str, Live], expect_failure: Sequence[str] = ()) -> dict[str, Live]:
+    """Wait until every server of ``launch_all`` answers. Arms named in ``expect_failure`` may exit during
+    start-up (their ``error`` holds why); any other failure stops every server and fails the test with its log."""
+    try:
         for name, live in started.items():
             try:
                 wait_healthy(live.server, timeout=HEALTH_TIMEOUT_S, poll=2.0)

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +136,13 @@ class Soak:
             self.out["errors"][name] = traceback.format_exc(limit=8)
         print(f"{self.engine} soak part {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
 
-    def together(self, *parts: tuple[str, Callable[[], None]]) -> None:
-        """Run ``phase(name, run)`` for each of ``parts`` at once, one thread each, and wait for all: for
-        servers that leave a core idle while they serve (SGLang's scheduler), so that two soaks of different
-        servers share the wall time; each part's failure is kept as ``phase`` keeps it."""
-        threads = [threading.Thread(target=self.phase, args=part, name=f"soak-{part[0]}") for part in parts]
+    def together(self, *chains: Sequence[tuple[str, Callable[[], None]]]) -> None:
+        """Run each chain of parts in a thread of its own, its parts in order (``phase(name, run)`` each), and
+        wait for all: the servers serve on one core each (one compute thread; SGLang's scheduler, vLLM's worker),
+        so parts of different servers share the wall time. Each part's failure is kept as ``phase`` keeps it and
+        the chain goes on, as it would one part after the other."""
+        threads = [threading.Thread(target=lambda parts=parts: [self.phase(*part) for part in parts],
+                                    name=f"soak-{parts[0][0]}") for parts in chains]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -3,10 +3,11 @@ through SGLang's own entry point, the ``sgl_kernel`` stand-in), driven by ``oea 
 docs/reliability.md says what each test promises. ``tests/engines/test_vllm_soak.py`` is the same on vLLM.
 
 Five servers on 127.0.0.1 (``sglang_server.start_all``: each in its own process group, ``--sleep-on-idle``) are
-started together (start-up dominates on two cores); the ``off`` and ``oea`` soaks then run at the same time (one
-SGLang scheduler serving alone leaves most of the second core idle; each soak measures its own server's process
-group, and the growth of ``oea`` is compared with that of ``off`` under the same load), the other parts one at a
-time; each server is stopped by its process group in ``finally`` (SIGTERM of this process included):
+started together (start-up dominates on two cores), then used in two rounds, the parts of different servers at the
+same time (one SGLang scheduler serving alone leaves most of the second core idle; each soak measures its own
+server's process group, and the growth of ``oea`` is compared with that of ``off`` under the same load): ``off``'s
+soak, ``oea``'s parts and ``term``'s; then ``full``'s and ``removed``'s. Each server is stopped by its process group
+in ``finally`` (SIGTERM of this process included):
 
 * ``off``: OEA off, the soak's baseline (the seeded mix, 100 requests after the warm-up: a short soak;
   ``make soak`` runs 2,000 per arm);
@@ -89,12 +90,12 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         held.update({name: server.server for name, server in live.items()})
         print(f"\nsoak: five SGLang servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
         run = shared.Soak(work, arms, dict(held), "sglang")
-        run.together(("off", lambda: run.soak_arm("off", SOAK)), ("oea", lambda: run.soak_arm("oea", SOAK)))
-        run.phase("oea", lambda: run.check_idle("oea", K0))
-        run.phase("sigkill", lambda: run.kill_mid_burst("oea", lambda pid: os.killpg(pid, signal.SIGKILL)))
-        run.phase("sigterm", lambda: run.kill_mid_burst("term", lambda pid: os.kill(pid, signal.SIGTERM)))
-        run.phase("full", lambda: run.soak_arm("full", SHORT))
-        run.phase("removed", lambda: run.remove_mid_soak("removed", work / "removed", SHORT))
+        run.together([("off", lambda: run.soak_arm("off", SOAK))],
+                     [("oea", lambda: run.soak_arm("oea", SOAK)), ("oea", lambda: run.check_idle("oea", K0)),
+                      ("sigkill", lambda: run.kill_mid_burst("oea", lambda pid: os.killpg(pid, signal.SIGKILL)))],
+                     [("sigterm", lambda: run.kill_mid_burst("term", lambda pid: os.kill(pid, signal.SIGTERM)))])
+        run.together([("full", lambda: run.soak_arm("full", SHORT))],
+                     [("removed", lambda: run.remove_mid_soak("removed", work / "removed", SHORT))])
     print(f"soak: done after {time.monotonic() - started:.0f} s", file=sys.stderr)
     return {**run.out, **out}
 

@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 from engine_venvs import engine_python
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, ONE_PROCESS_WORKER, complete, server_args, server_env, start_healthy
+from vllm_env import (
+    CODE_PROMPTS,
+    ONE_PROCESS_WORKER,
+    ONE_PROCESS_WORKER_ENV,
+    complete,
+    server_args,
+    server_env,
+    start_healthy,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -65,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 model, extra = arms[name]
                 args = server_args(model, free_port(), max_model_len=512, max_num_seqs=4,
                                    extra=["--enforce-eager", *ONE_PROCESS_WORKER])
-                launches[name] = (args, server_env(extra))
+                launches[name] = (args, server_env({**extra, **ONE_PROCESS_WORKER_ENV}))
             start_healthy(servers, launches, workdir, HEALTH_TIMEOUT_S, started)
             for name in wave:
                 port = port_of(servers[name])

@@ -35,7 +35,15 @@ import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
-from vllm_env import ONE_PROCESS_WORKER, VLLM_PYTHON, complete, read_jsonl, server_args, server_env
+from vllm_env import (
+    ONE_PROCESS_WORKER,
+    ONE_PROCESS_WORKER_ENV,
+    VLLM_PYTHON,
+    complete,
+    read_jsonl,
+    server_args,
+    server_env,
+)
 
 import oea
 from oea.config import write_layer_k0_file
@@ -87,7 +95,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for name, extra in arms.items():
             args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16,
                                extra=[*ONE_PROCESS_WORKER, "--enforce-eager"])
-            servers[name] = start_server(args, server_env(extra), python=str(VLLM_PYTHON),
+            env = server_env({**extra, **ONE_PROCESS_WORKER_ENV})
+            servers[name] = start_server(args, env, python=str(VLLM_PYTHON),
                                          log_path=work / f"{name}.log", cwd=work, nice=10)
         for server in servers.values():
             wait_healthy(server, timeout=HEALTH_TIMEOUT_S)

