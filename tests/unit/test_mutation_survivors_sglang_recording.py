@@ -528,6 +528,17 @@ def test_each_device_keeps_its_own_int32_count_written_only_when_it_changes(padd
     assert (meta.dtype, meta.shape, meta.device.type) == (torch.int32, torch.Size([]), "meta")
 
 
+def test_a_cuda_device_named_without_an_index_is_keyed_as_the_current_device(monkeypatch: pytest.MonkeyPatch
+                                                                             ) -> None:
+    """SGLang's capture runner says ``"cuda"``, the logits the rewrite bounds live on ``cuda:<current>``: both must
+    find one count. On a machine without CUDA, the current device is a stand-in (``torch.cuda.current_device``
+    would initialise CUDA); no tensor is made, only the keys (the GPU test below makes the count itself)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert padding._device_key("cuda") == padding._device_key(torch.device("cuda")) == "cuda:2"
+    assert padding._device_key("cuda:1") == "cuda:1", "an explicit index is kept"
+    assert padding._device_key("cpu") == "cpu" and padding._device_key("meta") == "meta", "only CUDA gets an index"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a device without an index)")
 def test_a_cuda_count_is_found_with_or_without_the_device_index(padding_on: None) -> None:
     """SGLang's capture runner says ``"cuda"``; the logits the rewrite bounds are on ``cuda:<current>``."""
