@@ -27,6 +27,7 @@ trace, log.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,11 @@ def _shared_servers_start_beside_checks(request: pytest.FixtureRequest) -> None:
     items = request.session.items
     later = items[items.index(request.node):] if request.node in items else []
     if any(SERVERS_FIXTURE in getattr(test, "fixturenames", ()) for test in later):
-        request.getfixturevalue("sglang_launched")
+        try:
+            request.getfixturevalue("sglang_launched")
+        except Exception as err:  # the tests that use the servers fail on it (pytest keeps the fixture's error)
+            warnings.warn(f"the shared SGLang servers did not launch beside {request.node.nodeid}: {err}",
+                          stacklevel=1)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
