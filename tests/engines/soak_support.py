@@ -141,8 +141,11 @@ class Soak:
         wait for all: the servers serve on one core each (one compute thread; SGLang's scheduler, vLLM's worker),
         so parts of different servers share the wall time. Each part's failure is kept as ``phase`` keeps it and
         the chain goes on, as it would one part after the other."""
-        threads = [threading.Thread(target=lambda parts=parts: [self.phase(*part) for part in parts],
-                                    name=f"soak-{parts[0][0]}") for parts in chains]
+        def run(parts: Sequence[tuple[str, Callable[[], None]]]) -> None:
+            for name, part in parts:
+                self.phase(name, part)
+
+        threads = [threading.Thread(target=run, args=(parts,), name=f"soak-{parts[0][0]}") for parts in chains]
         for thread in threads:
             thread.start()
         for thread in threads:
