@@ -2,7 +2,8 @@
 .venv-vllm, default compiled mode): verify steps are told from decode steps and rerouted only when asked.
 
 Servers on 127.0.0.1, started together, the same model, speculation and requests
-(``--speculative-config`` n-gram, 3 draft tokens, prompt lookup 2..3):
+(``--speculative-config`` n-gram, 3 draft tokens, prompt lookup 2..3), compiled, each with its worker in the
+engine core (``ONE_PROCESS_WORKER``: nothing here is about vLLM's process layout):
 
   off          - OEA off (metrics only): vLLM's routing everywhere, the greedy text of reference;
   decode_only  - ``OEA_K0=3``: decode steps rewritten, verify steps left to vLLM;
@@ -34,7 +35,17 @@ import pytest
 import torch
 from engine_venvs import engine_python
 from server_harness import VLLM_SLOTS, free_port, port_of, stopping_servers
-from vllm_env import CODE_PROMPTS, VLLM_PYTHON, complete, read_jsonl, server_args, server_env, text_and_tokens
+from vllm_env import (
+    CODE_PROMPTS,
+    ONE_PROCESS_WORKER,
+    ONE_PROCESS_WORKER_ENV,
+    VLLM_PYTHON,
+    complete,
+    read_jsonl,
+    server_args,
+    server_env,
+    text_and_tokens,
+)
 
 import oea
 from oea.integrations.metrics import routed_hash
@@ -92,9 +103,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     with stopping_servers(slots=VLLM_SLOTS * len(arms), what="vllm speculative") as servers:
         for name, extra in arms.items():
-            env = server_env({**extra, "OEA_METRICS_FILE": str(work / f"{name}.jsonl")})
+            env = server_env({**extra, **ONE_PROCESS_WORKER_ENV, "OEA_METRICS_FILE": str(work / f"{name}.jsonl")})
             args = server_args(embedded_model_dir(), free_port(), max_model_len=512, max_num_seqs=16,
-                               extra=["--speculative-config", SPECULATIVE])
+                               extra=["--speculative-config", SPECULATIVE, *ONE_PROCESS_WORKER])
             servers[name] = start_server(args, env, python=str(VLLM_PYTHON), log_path=work / f"{name}.log", cwd=work)
         bad = servers.pop("bad_verify")
         results["bad_verify"] = {"exit_code": bad.process.wait(timeout=HEALTH_TIMEOUT_S),

